@@ -1,0 +1,663 @@
+"""Recipe and patch-series models: loading, overrides and one-line validation errors.
+
+A recipe pins everything a deployment needs (sources, series, builds, weights, conversion,
+serving, acceptance, host requirements). A series lists the patches to apply, in order.
+Both are YAML, validated by pydantic with unknown keys rejected; every error names the
+file, the line, the field and what to write instead.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path, PurePosixPath
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from dsv4_offload.errors import InputError
+
+DATA_DIR = Path(__file__).parent / "data"
+BUNDLED_RECIPES = DATA_DIR / "recipes"
+BUNDLED_SERIES = DATA_DIR / "patches"
+DEFAULT_RECIPE = "dsv4-flash-910b"
+SCHEMA_VERSION = 1
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+
+
+# --- field types ---------------------------------------------------------------------------
+
+
+def _commit(value: str) -> str:
+    if not isinstance(value, str) or not _HEX40.match(value):
+        raise ValueError(
+            "must be a full 40-hex-digit lowercase commit SHA (a tag or short SHA such as "
+            "'b3173' is ambiguous); write the full SHA"
+        )
+    return value
+
+
+def _sha256(value: str) -> str:
+    if not isinstance(value, str) or not _HEX64.match(value):
+        raise ValueError("must be a 64-hex-digit lowercase sha256 digest; write `sha256sum FILE`'s")
+    return value
+
+
+def _name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(
+            "must be a plain name (letters, digits, '.', '_', '-'; no spaces or slashes)"
+        )
+    return value
+
+
+def _relative_path(value: str) -> str:
+    path = PurePosixPath(value)
+    if path.is_absolute() or ".." in path.parts or value.strip() in ("", "."):
+        raise ValueError(
+            "must be a relative path that stays inside its root (no leading '/', no '..')"
+        )
+    return value
+
+
+def _url(value: str) -> str:
+    if not re.match(r"^(https?|ssh|git|file)://\S+$|^[\w.-]+@[\w.-]+:\S+$", value):
+        raise ValueError("must be a git URL (https://, ssh://, git://, file:// or user@host:path)")
+    return value
+
+
+Commit = Annotated[str, AfterValidator(_commit)]
+Sha256 = Annotated[str, AfterValidator(_sha256)]
+Name = Annotated[str, AfterValidator(_name)]
+RelPath = Annotated[str, AfterValidator(_relative_path)]
+GitUrl = Annotated[str, AfterValidator(_url)]
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+# --- sources -------------------------------------------------------------------------------
+
+
+class Source(Strict):
+    """A git repository pinned at a full commit and where it goes in the workspace."""
+
+    name: Name
+    url: GitUrl
+    mirrors: list[GitUrl] = []
+    commit: Commit
+    ref: str | None = Field(None, description="human-readable tag or branch; never used alone")
+    path: RelPath = Field(description="checkout path, relative to the workspace")
+    submodule_of: Name | None = Field(
+        None, description="taken as this source's submodule, at the commit above"
+    )
+    patched: bool = True
+    license: str | None = None
+
+
+class RemoteFile(Strict):
+    """A file inside a pinned source (e.g. the delivery), checked by sha256."""
+
+    source: Name
+    path: RelPath
+    sha256: Sha256
+
+
+# --- series --------------------------------------------------------------------------------
+
+
+class PatchOrigin(Strict):
+    """Where a patch comes from: a path inside a pinned source, or a file in this repo."""
+
+    source: Name | None = None
+    path: RelPath | None = None
+    file: RelPath | None = Field(None, description="path relative to the series file")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> PatchOrigin:
+        if (self.file is None) == (self.source is None):
+            raise ValueError("give either 'source' + 'path' (a pinned source) or 'file' (ours)")
+        if self.source is not None and self.path is None:
+            raise ValueError("'source' needs a 'path' inside that source")
+        return self
+
+
+class PatchEntry(Strict):
+    name: Name
+    target: Name
+    origin: PatchOrigin
+    sha256: Sha256
+    strip: int = Field(1, ge=0, le=5)
+    method: Literal["plain", "mbox"]
+    upstream: Literal["not-submitted", "submitted", "merged", "local"] = "not-submitted"
+    description: str = Field(min_length=1)
+
+
+class Series(Strict):
+    schema_version: Literal[1] = Field(1, alias="schema")
+    name: Name
+    description: str = ""
+    patches: list[PatchEntry] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Series:
+        _no_duplicates([p.name for p in self.patches], "patches", "name")
+        return self
+
+    def for_target(self, target: str) -> list[PatchEntry]:
+        return [p for p in self.patches if p.target == target]
+
+
+# --- builds --------------------------------------------------------------------------------
+
+
+class BuildStep(Strict):
+    name: Name
+    workdir: RelPath = Field(description="relative to the workspace")
+    command: list[str] = Field(min_length=1)
+    env: dict[str, str] = {}
+    expect_markers: list[str] = Field([], description="log lines that must appear")
+    forbid_markers: list[str] = Field([], description="log lines that must not appear")
+    check_import: str | None = Field(None, description="python module that must import after")
+    optional: bool = False
+    description: str = ""
+
+
+class Build(Strict):
+    python: str = "python3.11"
+    steps: list[BuildStep] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique(self) -> Build:
+        _no_duplicates([s.name for s in self.steps], "steps", "name")
+        return self
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+class WeightSet(Strict):
+    hub: Literal["huggingface", "modelscope"]
+    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
+    revision: str = "main"
+    allow_patterns: list[str] = []
+    dir: RelPath = Field(description="download directory, relative to the workspace")
+    expected_bytes: int = Field(gt=0, description="approximate total size, for disk planning")
+    role: str = ""
+
+
+class Weights(Strict):
+    w8a8: WeightSet
+    mxfp4: WeightSet
+
+    @model_validator(mode="after")
+    def _sibling_dirs(self) -> Weights:
+        # the launcher derives the MXFP4 checkpoint from the W8A8 dir by dropping "-W8A8"
+        if not self.w8a8.dir.endswith("-W8A8") or self.w8a8.dir[: -len("-W8A8")] != self.mxfp4.dir:
+            raise ValueError(
+                "mxfp4.dir must equal w8a8.dir without its '-W8A8' suffix (the server derives "
+                "one from the other); e.g. w8a8.dir 'weights/X-W8A8', mxfp4.dir 'weights/X'"
+            )
+        return self
+
+
+# --- conversion ----------------------------------------------------------------------------
+
+
+class Conversion(Strict):
+    layers: int = Field(43, gt=0)
+    gguf_dir: RelPath = "gguf"
+    file_template: str = "dsv4_layer{layer}_mxfp4.gguf"
+    gguf_name_template: str = "dsv4-flash-layer{layer}-moe-mxfp4"
+    architecture: str = "deepseek2"
+    experts: int = Field(256, gt=0)
+    experts_per_token: int = Field(6, gt=0)
+    hidden_size: int = Field(4096, gt=0)
+    moe_intermediate_size: int = Field(2048, gt=0)
+    alignment: int = Field(32, gt=0)
+    expected_file_bytes: int = Field(gt=0)
+    digests: dict[int, Sha256] = {}
+    digests_manifest: RemoteFile | None = None
+
+    @field_validator("file_template", "gguf_name_template")
+    @classmethod
+    def _has_layer(cls, value: str) -> str:
+        if "{layer}" not in value:
+            raise ValueError("must contain the placeholder '{layer}'")
+        if "/" in value:
+            raise ValueError("must be a file name, without '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _digests_in_range(self) -> Conversion:
+        bad = [k for k in self.digests if not 0 <= k < self.layers]
+        if bad:
+            raise ValueError(f"digests has layer {bad[0]} outside 0..{self.layers - 1}")
+        return self
+
+    def file_name(self, layer: int) -> str:
+        return self.file_template.replace("{layer}", str(layer))
+
+
+# --- serving -------------------------------------------------------------------------------
+
+
+class Serve(Strict):
+    command: list[str] | None = Field(
+        None, description="replaces `python -m sglang.launch_server` (own builds, stand-ins)"
+    )
+    python: str = "python3"
+    host: str = "0.0.0.0"
+    port: int = Field(8020, gt=0, lt=65536)
+    page_size: int = Field(128, gt=0)
+    mem_fraction_static: float = Field(0.81, gt=0, lt=1)
+    kt_num_gpu_experts: int = Field(32, ge=0)
+    gpu_experts_ladder: list[int] = [32, 24, 16]
+    threads_per_numa: int = Field(16, gt=0)
+    chunked_prefill_size: int = Field(8192, gt=0)
+    longest_prompt_tokens: int = Field(2577, gt=0)
+    context_length: int = Field(65536, gt=0)
+    max_prefill_tokens: int = Field(65535, gt=0)
+    watchdog_timeout: int = Field(18000, gt=0)
+    max_running_requests: int = Field(1, gt=0)
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+    unset_env: list[str] = []
+    cann_set_env: list[str] = []
+    nsa_compressor_mode: Literal["auto", "split", "single"] = "auto"
+    readiness_timeout_s: float = Field(900, gt=0)
+    stop_timeout_s: float = Field(30, gt=0)
+
+    @model_validator(mode="after")
+    def _prefill_rules(self) -> Serve:
+        if self.chunked_prefill_size % self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size {self.chunked_prefill_size} must be a positive multiple "
+                f"of page_size {self.page_size}; e.g. 8192"
+            )
+        if self.chunked_prefill_size < self.longest_prompt_tokens:
+            raise ValueError(
+                f"chunked_prefill_size {self.chunked_prefill_size} must be >= "
+                f"longest_prompt_tokens {self.longest_prompt_tokens} (the NSA compressor needs "
+                "one chunk to cover the prompt)"
+            )
+        return self
+
+
+# --- acceptance ----------------------------------------------------------------------------
+
+
+class Probe(Strict):
+    name: Name
+    prompt: str = Field(min_length=1)
+    expect_any: list[str] = Field(min_length=1, description="the answer must contain one")
+    max_new_tokens: int = Field(64, gt=0)
+    chat: bool = False
+
+
+class Degeneration(Strict):
+    max_char_run: int = Field(12, gt=1)
+    max_token_run: int = Field(6, gt=1)
+    max_ngram_repeats: int = Field(4, gt=1)
+    ngram: int = Field(4, gt=1)
+
+
+class Throughput(Strict):
+    prompt_buckets: list[int] = [128, 1024, 4096]
+    new_tokens: int = Field(128, gt=0)
+    repeats: int = Field(3, gt=0)
+    warmup: int = Field(1, ge=0)
+    reference_tok_s: float = Field(gt=0)
+    reference_range: tuple[float, float]
+
+
+class Acceptance(Strict):
+    api: Literal["native", "openai"] = "native"
+    request_timeout_s: float = Field(300, gt=0)
+    probes: list[Probe] = Field(min_length=1)
+    determinism_probe: Name
+    degeneration: Degeneration = Degeneration()
+    log_markers_required: list[str] = []
+    log_markers_forbidden: list[str] = []
+    throughput: Throughput
+    gpqa_reference_pct: float | None = None
+
+    @model_validator(mode="after")
+    def _refs(self) -> Acceptance:
+        _no_duplicates([p.name for p in self.probes], "probes", "name")
+        if self.determinism_probe not in {p.name for p in self.probes}:
+            raise ValueError(f"determinism_probe '{self.determinism_probe}' is not a probe name")
+        return self
+
+
+# --- host ----------------------------------------------------------------------------------
+
+
+class Host(Strict):
+    arch: str = "aarch64"
+    cpu_flags_required: list[str] = ["asimd", "asimddp"]
+    cpu_flags_build_off: list[str] = ["sve", "bf16", "i8mm"]
+    min_cores: int = Field(32, gt=0)
+    memory_min_gib: float = Field(160, gt=0)
+    memory_recommended_gib: float = Field(256, gt=0)
+    disk_min_gib: float = Field(415, gt=0)
+    disk_recommended_gib: float = Field(600, gt=0)
+    npu_models: list[str] = Field(min_length=1)
+    hbm_min_gib: float = Field(32, gt=0)
+    npu_device_nodes: list[str] = []
+    cann_min_version: str = "8.5.0"
+    python: str = "3.11"
+    tools: dict[str, str] = Field({}, description="tool -> minimum version")
+    libraries: list[str] = ["hwloc", "numa"]
+    docker: Literal["required", "recommended", "unused"] = "recommended"
+
+
+# --- recipe --------------------------------------------------------------------------------
+
+
+class Platform(Strict):
+    npu: str
+    cann: str
+    image: str | None = None
+    cc: str | None = None
+    cxx: str | None = None
+
+
+class Recipe(Strict):
+    schema_version: Literal[1] = Field(1, alias="schema")
+    name: Name
+    description: str = ""
+    platform: Platform
+    series: str = Field(description="bundled series name or a path relative to the recipe")
+    delivery: Name = Field(description="the source that holds the series and scripts")
+    tree_root: Name = Field(description="the source whose checkout is the workspace tree")
+    sources: list[Source] = Field(min_length=1)
+    build: Build
+    weights: Weights
+    conversion: Conversion
+    serve: Serve
+    acceptance: Acceptance
+    host: Host
+
+    @model_validator(mode="after")
+    def _cross_refs(self) -> Recipe:
+        names = [s.name for s in self.sources]
+        _no_duplicates(names, "sources", "name")
+        _no_duplicates([s.path for s in self.sources], "sources", "path")
+        for ref, label in ((self.delivery, "delivery"), (self.tree_root, "tree_root")):
+            if ref not in names:
+                raise ValueError(f"{label} '{ref}' is not a source name; use one of {names}")
+        for s in self.sources:
+            if s.submodule_of is not None and s.submodule_of not in names:
+                raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
+        if self.conversion.digests_manifest and self.conversion.digests_manifest.source not in names:
+            raise ValueError("conversion.digests_manifest.source is not a source name")
+        return self
+
+    def source(self, name: str) -> Source:
+        for s in self.sources:
+            if s.name == name:
+                return s
+        raise KeyError(name)
+
+
+def _no_duplicates(values: list[Any], where: str, field: str) -> None:
+    seen: set[Any] = set()
+    for v in values:
+        if v in seen:
+            raise ValueError(f"duplicate {field} '{v}' in {where}; each must be unique")
+        seen.add(v)
+
+
+# --- loading -------------------------------------------------------------------------------
+
+
+class _LineLoader(yaml.SafeLoader):
+    """A YAML loader that remembers the line of every mapping key and sequence item."""
+
+
+def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    mapping = loader.construct_mapping(node, deep=True)
+    lines = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        lines[key] = key_node.start_mark.line + 1
+        if isinstance(value_node, yaml.SequenceNode):
+            lines[(key, "items")] = [n.start_mark.line + 1 for n in value_node.value]
+    keys = [loader.construct_object(k, deep=True) for k, _ in node.value]
+    dup = next((k for i, k in enumerate(keys) if k in keys[:i]), None)
+    if dup is not None:
+        raise yaml.constructor.ConstructorError(
+            None, None, f"duplicate key '{dup}'", node.start_mark
+        )
+    return _Located(mapping, lines, node.start_mark.line + 1)
+
+
+class _Located(dict):  # type: ignore[type-arg]
+    """A dict that knows the YAML line of each of its keys."""
+
+    def __init__(self, data: dict[Any, Any], lines: dict[Any, Any], line: int) -> None:
+        super().__init__(data)
+        self.lines = lines
+        self.line = line
+
+
+_LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def _line_of(doc: Any, loc: tuple[Any, ...]) -> int | None:
+    """The YAML line of a pydantic error location, as deep as the document allows."""
+    line = getattr(doc, "line", None)
+    node, parent, parent_key = doc, None, None
+    for part in loc:
+        if isinstance(node, _Located) and part in node:
+            line = node.lines.get(part, line)
+            parent, parent_key, node = node, part, node[part]
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            items = parent.lines.get((parent_key, "items")) if isinstance(parent, _Located) else None
+            if items:
+                line = items[part]
+            parent, parent_key, node = None, None, node[part]
+        else:
+            break
+    return line
+
+
+def _format_loc(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part in ("function-after", "function-before") or str(part).startswith(
+            ("function-", "tagged-union")
+        ):
+            continue
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _first_error(path: str, doc: Any, exc: ValidationError) -> InputError:
+    err = exc.errors()[0]
+    loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
+    field = _format_loc(loc)
+    line = _line_of(doc, loc)
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "extra_forbidden":
+        msg = "unknown key; remove it or check its spelling against docs/recipe-reference.md"
+    elif err["type"] == "missing":
+        msg = "required field is missing; add it"
+    where = f"{path}:{line}" if line else path
+    more = len(exc.errors()) - 1
+    suffix = f" (+{more} more)" if more else ""
+    return InputError(f"{where}: {field}: {msg}{suffix}")
+
+
+def _read_yaml(path: Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{path}: file not found; give a bundled name or an existing file")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{path}: cannot read ({exc}); give a readable UTF-8 YAML file")
+    try:
+        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        line = f":{mark.line + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{path}{line}: invalid YAML: {problem}; fix the syntax")
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: the document must be a mapping of keys, not {type(doc).__name__}")
+    return doc
+
+
+def _plain(doc: Any) -> Any:
+    if isinstance(doc, dict):
+        return {k: _plain(v) for k, v in doc.items()}
+    if isinstance(doc, list):
+        return [_plain(v) for v in doc]
+    return doc
+
+
+def resolve_recipe_path(spec: str | None) -> Path:
+    """A bundled recipe name, or a path to a YAML file."""
+    spec = spec or DEFAULT_RECIPE
+    candidate = Path(spec)
+    if candidate.suffix in (".yaml", ".yml") or "/" in spec or candidate.exists():
+        return candidate
+    bundled = BUNDLED_RECIPES / f"{spec}.yaml"
+    if not bundled.exists():
+        names = ", ".join(bundled_recipe_names())
+        raise InputError(f"recipe '{spec}' is not bundled; use one of: {names}, or a file path")
+    return bundled
+
+
+def bundled_recipe_names() -> list[str]:
+    return sorted(p.stem for p in BUNDLED_RECIPES.glob("*.yaml"))
+
+
+def apply_overrides(doc: dict[str, Any], overrides: list[str], path: str) -> dict[str, Any]:
+    """Apply `dotted.key=value` overrides; the value is parsed as YAML (numbers, lists...)."""
+    doc = _plain(doc)
+    for item in overrides:
+        if "=" not in item:
+            raise InputError(f"--set {item!r}: expected dotted.key=value, e.g. serve.port=8021")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        node: Any = doc
+        parts = key.strip().split(".")
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            if isinstance(node, list):
+                if not part.isdigit() or int(part) >= len(node):
+                    raise InputError(
+                        f"--set {key}: '{part}' is not an index of a {len(node)}-item list"
+                    )
+                idx: Any = int(part)
+            elif isinstance(node, dict):
+                idx = part
+                if not last and part not in node:
+                    raise InputError(f"--set {key}: '{part}' is not a key of {path}")
+            else:
+                raise InputError(f"--set {key}: '{parts[i - 1]}' is not a mapping or list")
+            if last:
+                node[idx] = value
+            else:
+                node = node[idx]
+    return doc
+
+
+def load_recipe(spec: str | None = None, overrides: list[str] | None = None) -> Recipe:
+    path = resolve_recipe_path(spec)
+    doc = _read_yaml(path)
+    if overrides:
+        doc = apply_overrides(doc, overrides, str(path))
+    try:
+        recipe = Recipe.model_validate(_plain(doc))
+    except ValidationError as exc:
+        raise _first_error(str(path), doc, exc) from None
+    object.__setattr__(recipe, "_path", path)
+    return recipe
+
+
+def recipe_path(recipe: Recipe) -> Path | None:
+    return getattr(recipe, "_path", None)
+
+
+def resolve_series_path(recipe: Recipe) -> Path:
+    spec = recipe.series
+    if spec.endswith((".yaml", ".yml")) or "/" in spec:
+        base = recipe_path(recipe)
+        path = Path(spec)
+        return path if path.is_absolute() or base is None else base.parent / path
+    return BUNDLED_SERIES / f"{spec}.yaml"
+
+
+def load_series(path: Path, recipe: Recipe | None = None) -> Series:
+    doc = _read_yaml(path)
+    try:
+        series = Series.model_validate(_plain(doc))
+    except ValidationError as exc:
+        raise _first_error(str(path), doc, exc) from None
+    if recipe is not None:
+        names = [s.name for s in recipe.sources]
+        for i, patch in enumerate(series.patches):
+            line = _line_of(doc, ("patches", i))
+            where = f"{path}:{line}" if line else str(path)
+            for field, ref in (("target", patch.target), ("origin.source", patch.origin.source)):
+                if ref is not None and ref not in names:
+                    raise InputError(
+                        f"{where}: patches[{i}].{field}: '{ref}' is not a source of recipe "
+                        f"'{recipe.name}'; use one of {names}"
+                    )
+            if patch.origin.file is not None:
+                own = (path.parent / patch.origin.file).resolve()
+                if not own.is_relative_to(path.parent.resolve()):
+                    raise InputError(f"{where}: patches[{i}].origin.file escapes the series dir")
+    object.__setattr__(series, "_path", path)
+    return series
+
+
+def series_path(series: Series) -> Path | None:
+    return getattr(series, "_path", None)
+
+
+def load_recipe_and_series(
+    spec: str | None = None, overrides: list[str] | None = None
+) -> tuple[Recipe, Series]:
+    recipe = load_recipe(spec, overrides)
+    return recipe, load_series(resolve_series_path(recipe), recipe)
+
+
+def section_digest(value: Any) -> str:
+    """A stable digest of a recipe section (or any JSON-able value), for fingerprints."""
+    import hashlib
+    import json
+
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json", by_alias=True)
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def get_dotted(recipe: Recipe, dotted: str) -> Any:
+    node: Any = recipe
+    for part in dotted.split("."):
+        node = getattr(node, part) if isinstance(node, BaseModel) else node[part]
+    return node

@@ -1,0 +1,177 @@
+"""The workspace: one place for its layout, the lock, the state file and provenance."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import fcntl
+import json
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsv4_offload.errors import InputError, LockedError
+
+if TYPE_CHECKING:
+    from dsv4_offload.recipe import Recipe
+
+DEFAULT_WORKSPACE = "./dsv4-work"
+WORKSPACE_ENV = "DSV4_WORKSPACE"
+STATE_SCHEMA = 1
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write to a temp file in the same directory, fsync, then rename over the target."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def atomic_write_json(path: Path, value: Any) -> None:
+    text = json.dumps(value, indent=2, sort_keys=False, ensure_ascii=False, default=str) + "\n"
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def read_json(path: Path, default: Any) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as exc:
+        raise InputError(
+            f"{path}: unreadable JSON ({exc}); move it aside and rerun (the stage redoes its work)"
+        ) from None
+
+
+class Workspace:
+    """Paths under the workspace root. Every path the tool uses is defined here."""
+
+    def __init__(self, root: Path | str) -> None:
+        self.root = Path(root).expanduser().absolute()
+
+    @classmethod
+    def from_option(cls, value: str | None) -> Workspace:
+        return cls(value or os.environ.get(WORKSPACE_ENV) or DEFAULT_WORKSPACE)
+
+    # --- layout ---
+    @property
+    def meta_dir(self) -> Path:
+        return self.root / ".dsv4"
+
+    @property
+    def state_file(self) -> Path:
+        return self.meta_dir / "state.json"
+
+    @property
+    def lock_file(self) -> Path:
+        return self.meta_dir / "lock"
+
+    @property
+    def provenance_file(self) -> Path:
+        return self.root / "provenance.json"
+
+    @property
+    def reports_dir(self) -> Path:
+        return self.root / "reports"
+
+    @property
+    def run_dir(self) -> Path:
+        """Pid files and sockets of the supervised server."""
+        return self.meta_dir / "run"
+
+    def log_dir(self, stage: str) -> Path:
+        return self.root / "logs" / (stage or "misc")
+
+    def source_dir(self, recipe: Recipe, name: str) -> Path:
+        return self.root / recipe.source(name).path
+
+    def tree_dir(self, recipe: Recipe) -> Path:
+        return self.source_dir(recipe, recipe.tree_root)
+
+    def weights_dir(self, recipe: Recipe, which: str) -> Path:
+        return self.root / getattr(recipe.weights, which).dir
+
+    def gguf_dir(self, recipe: Recipe) -> Path:
+        return self.root / recipe.conversion.gguf_dir
+
+    def ensure(self) -> None:
+        try:
+            self.meta_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise InputError(
+                f"{self.root}: cannot create the workspace ({exc.strerror}); "
+                "pick a writable --workspace DIR"
+            ) from None
+
+    # --- lock ---
+    @contextlib.contextmanager
+    def lock(self, command: str) -> Iterator[None]:
+        """An exclusive, non-blocking lock: a second run on this workspace exits at once."""
+        self.ensure()
+        fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
+        try:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another dsv4-offload process"
+                raise LockedError(
+                    f"workspace {self.root} is in use by {holder}; wait for it to finish or "
+                    "use another --workspace"
+                ) from None
+            fh.seek(0)
+            fh.truncate()
+            fh.write(f"pid {os.getpid()} ({command}, since {now_iso()})\n")
+            fh.flush()
+            yield
+        finally:
+            with contextlib.suppress(OSError):
+                fh.seek(0)
+                fh.truncate()
+            fh.close()
+
+    # --- state ---
+    def read_state(self) -> dict[str, Any]:
+        state = read_json(self.state_file, {"schema": STATE_SCHEMA, "stages": {}})
+        if not isinstance(state, dict) or not isinstance(state.get("stages"), dict):
+            raise InputError(
+                f"{self.state_file}: not a dsv4-offload state file; move it aside and rerun"
+            )
+        return state
+
+    def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
+        state = self.read_state()
+        state["schema"] = STATE_SCHEMA
+        state["stages"][stage] = record
+        atomic_write_json(self.state_file, state)
+
+    # --- provenance ---
+    def update_provenance(self, section: str, value: Any) -> None:
+        prov = read_json(self.provenance_file, {})
+        if not isinstance(prov, dict):
+            prov = {}
+        prov.setdefault("schema", 1)
+        prov[section] = value
+        prov["updated"] = now_iso()
+        atomic_write_json(self.provenance_file, prov)
