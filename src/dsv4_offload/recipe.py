@@ -256,11 +256,28 @@ class Conversion(Strict):
 
 class Serve(Strict):
     command: list[str] | None = Field(
-        None, description="replaces `python -m sglang.launch_server` (own builds, stand-ins)"
+        None,
+        description="replaces `python -m sglang.launch_server` (own builds, stand-ins); "
+        "elements may use {python} {host} {port} {model_path}; the derived flags go where an "
+        "element '{flags}' stands, else after the command (see pass_flags)",
+    )
+    pass_flags: bool = Field(
+        True, description="give `command` the derived sglang flags; false for other servers"
     )
     python: str = "python3"
     host: str = "0.0.0.0"
     port: int = Field(8020, gt=0, lt=65536)
+    device_type: str = "npu"
+    attention_backend: str = "ascend"
+    quantization: str = "compressed-tensors"
+    dtype: str = "bfloat16"
+    kt_method: str = "LLAMAFILE"
+    reserved_cores: int = Field(
+        4, ge=0, description="cores kept free of CPU-infer threads (NPU callback, python, OS)"
+    )
+    health_paths: list[str] = Field(
+        ["/health", "/health_generate"], description="readiness: each must answer 200, in order"
+    )
     page_size: int = Field(128, gt=0)
     mem_fraction_static: float = Field(0.81, gt=0, lt=1)
     kt_num_gpu_experts: int = Field(32, ge=0)
@@ -489,11 +506,18 @@ def _format_loc(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _first_error(path: str, doc: Any, exc: ValidationError) -> InputError:
+def _first_error(path: str, doc: Any, exc: ValidationError,
+                 overrides: list[str] | None = None) -> InputError:
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
     field = _format_loc(loc)
     line = _line_of(doc, loc)
+    dotted = ".".join(str(p) for p in loc)
+    for item in overrides or []:
+        key = item.split("=", 1)[0].strip()
+        if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") and dotted:
+            path = f"--set {key} (over {path})"
+            line = None
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key; remove it or check its spelling against docs/recipe-reference.md"
@@ -513,7 +537,7 @@ def _read_yaml(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({exc}); give a readable UTF-8 YAML file")
     try:
-        doc = yaml.load(text, Loader=_LineLoader)  # noqa: S506 - SafeLoader subclass
+        doc = yaml.load(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = f":{mark.line + 1}" if mark else ""
@@ -585,13 +609,12 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str], path: str) -> dic
 
 def load_recipe(spec: str | None = None, overrides: list[str] | None = None) -> Recipe:
     path = resolve_recipe_path(spec)
-    doc = _read_yaml(path)
-    if overrides:
-        doc = apply_overrides(doc, overrides, str(path))
+    located = _read_yaml(path)
+    doc = apply_overrides(located, overrides, str(path)) if overrides else located
     try:
         recipe = Recipe.model_validate(_plain(doc))
     except ValidationError as exc:
-        raise _first_error(str(path), doc, exc) from None
+        raise _first_error(str(path), located, exc, overrides or []) from None
     object.__setattr__(recipe, "_path", path)
     return recipe
 
@@ -661,3 +684,12 @@ def get_dotted(recipe: Recipe, dotted: str) -> Any:
     for part in dotted.split("."):
         node = getattr(node, part) if isinstance(node, BaseModel) else node[part]
     return node
+
+
+def looks_like_series(path: str) -> bool:
+    """Whether a YAML file is a patch series (it has `patches:`) rather than a recipe."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        return False
+    return isinstance(doc, dict) and "patches" in doc and "sources" not in doc

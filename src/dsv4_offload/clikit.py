@@ -1,0 +1,120 @@
+"""What command modules share: global options, context loading, running a stage, output.
+
+Kept light at import time (typer only): recipe models, rich and stage modules load on use.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import typer
+
+from dsv4_offload.errors import Dsv4Error, ExitCode
+
+if TYPE_CHECKING:
+    from dsv4_offload.stage import StageContext, StageResult, Status
+
+JSON_SCHEMA = 1
+
+
+@dataclass
+class GlobalOptions:
+    workspace: str | None = None
+    recipe: str | None = None
+    overrides: list[str] = field(default_factory=list)
+    json: bool = False
+    verbose: bool = False
+    quiet: bool = False
+
+
+def options_of(typer_ctx: typer.Context) -> GlobalOptions:
+    root = typer_ctx.find_root()
+    obj = root.obj
+    if not isinstance(obj, GlobalOptions):
+        obj = GlobalOptions()
+        root.obj = obj
+    return obj
+
+
+def load_context(typer_ctx: typer.Context, stage: str = "",
+                 options: dict[str, Any] | None = None) -> StageContext:
+    """Recipe, series and workspace from the global options, as a StageContext."""
+    from dsv4_offload.recipe import load_recipe_and_series
+    from dsv4_offload.stage import StageContext
+    from dsv4_offload.workspace import Workspace
+
+    g = options_of(typer_ctx)
+    recipe, series = load_recipe_and_series(g.recipe, g.overrides)
+    return StageContext(
+        recipe=recipe, series=series, workspace=Workspace.from_option(g.workspace),
+        options=dict(options or {}), progress=make_progress(g), stage=stage, verbose=g.verbose,
+    )
+
+
+def make_progress(g: GlobalOptions) -> Any:
+    from dsv4_offload.render import RichProgress
+    from dsv4_offload.stage import Progress
+
+    if g.quiet or g.json or not sys.stderr.isatty():
+        return Progress()
+    return RichProgress()
+
+
+def exit_with(code: int) -> NoReturn:
+    raise typer.Exit(int(code))
+
+
+def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: Any,
+         table: Any = None, lines: list[str] | None = None) -> None:
+    """Print one result: a versioned JSON document with --json, else a rich rendering."""
+    g = options_of(typer_ctx)
+    status_text = getattr(status, "value", status)
+    if g.json:
+        doc = {"schema": JSON_SCHEMA, "command": command, "status": status_text, "data": data}
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
+        sys.stdout.flush()
+        return
+    from dsv4_offload.render import console
+
+    out = console()
+    if table is not None:
+        out.print(table)
+    for line in lines or []:
+        out.print(line, soft_wrap=True)
+
+
+def emit_result(typer_ctx: typer.Context, command: str, result: StageResult) -> None:
+    from dsv4_offload.render import render_result
+
+    g = options_of(typer_ctx)
+    if g.json:
+        emit(typer_ctx, command=command, status=result.status, data=result.as_dict())
+    else:
+        render_result(command, result, verbose=g.verbose, quiet=g.quiet)
+
+
+def result_exit_code(result: StageResult) -> ExitCode:
+    return ExitCode.OK if result.ok else ExitCode.FAILED
+
+
+def run_stage(typer_ctx: typer.Context, stage: str, options: dict[str, Any]) -> NoReturn:
+    """Run one stage under the workspace lock, render its result, exit with its code."""
+    from dsv4_offload import pipeline
+
+    ctx = load_context(typer_ctx, stage, options)
+    with ctx.workspace.lock(stage):
+        result = pipeline.run_stage(ctx, stage, options)
+    emit_result(typer_ctx, stage, result)
+    exit_with(result_exit_code(result))
+
+
+def report_error(exc: Dsv4Error, as_json: bool, command: str) -> int:
+    if as_json:
+        doc = {"schema": JSON_SCHEMA, "command": command, "status": "error",
+               "data": {"error": exc.one_line(), "exit_code": int(exc.exit_code)}}
+        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+    sys.stderr.write(f"error: {exc.one_line()}\n")
+    return int(exc.exit_code)

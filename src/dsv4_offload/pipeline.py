@@ -1,0 +1,359 @@
+"""Stage order, fingerprints, state records and run/resume/force/dry-run.
+
+A stage is *done* when its record says so and the fingerprint of its inputs still matches.
+The fingerprint is a flat map ``input name -> short digest``: recipe fields (flattened to
+leaves, so ``status`` can name the one that changed), extra inputs the stage module
+declares, and the fingerprint and outputs of the stages it needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import json
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from dsv4_offload.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.workspace import now_iso
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    needs: tuple[str, ...]
+    recipe_fields: tuple[str, ...]  # dotted recipe paths whose values feed the fingerprint
+    exclude: tuple[str, ...] = ()  # dotted paths (prefixes) left out of those
+    summary: str = ""
+    run_options: dict[str, Any] = field(default_factory=dict)  # options when run by `run`
+
+    @property
+    def module(self) -> str:
+        # DSV4_STAGE_PACKAGE swaps in another implementation of the stages (a site's own
+        # stage package, or the test suite's instrumented ones); the pipeline stays the same
+        package = os.environ.get("DSV4_STAGE_PACKAGE", "dsv4_offload.stages")
+        return f"{package}.{self.name.replace('-', '_')}"
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("doctor", (), ("host",), summary="host preflight"),
+    StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
+    StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
+    StageSpec("build", ("patch",), ("build", "platform"), summary="kt-kernel, gguf-py, sglang"),
+    StageSpec("download", (), ("weights",), summary="W8A8 and MXFP4 weights"),
+    StageSpec(
+        "convert",
+        ("download",),
+        ("conversion",),
+        exclude=("conversion.digests", "conversion.digests_manifest",
+                 "conversion.expected_file_bytes"),
+        summary="MXFP4 experts into per-layer GGUF",
+    ),
+    StageSpec("verify-gguf", ("convert",), ("conversion",), summary="sizes, digests, bit-exact"),
+    StageSpec(
+        "serve",
+        ("build", "verify-gguf"),
+        ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template"),
+        summary="the hybrid server, supervised",
+        run_options={"detach": True},
+    ),
+    StageSpec("accept", ("serve",), ("acceptance",), summary="coherence, log markers, tok/s"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def spec(name: str) -> StageSpec:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise InputError(f"unknown stage '{name}'; stages are: {', '.join(STAGE_NAMES)}")
+
+
+# --- fingerprints --------------------------------------------------------------------------
+
+
+def _digest(value: Any) -> str:
+    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _flatten(prefix: str, value: Any, out: dict[str, str], exclude: tuple[str, ...]) -> None:
+    if any(prefix == e or prefix.startswith(e + ".") for e in exclude):
+        return
+    if isinstance(value, dict) and value:
+        for key, sub in value.items():
+            _flatten(f"{prefix}.{key}", sub, out, exclude)
+    elif isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+        for i, sub in enumerate(value):
+            # name list items by their 'name' when they have one: stable under reordering
+            label = sub.get("name", i) if isinstance(sub, dict) else i
+            _flatten(f"{prefix}[{label}]", sub, out, exclude)
+    else:
+        out[prefix] = _digest(value)
+
+
+def recipe_inputs(ctx: StageContext, stage: StageSpec) -> dict[str, str]:
+    dumped = ctx.recipe.model_dump(mode="json", by_alias=True)
+    out: dict[str, str] = {}
+    for dotted in stage.recipe_fields:
+        if dotted == "series":
+            _flatten("series", ctx.series.model_dump(mode="json", by_alias=True), out, ())
+            continue
+        node: Any = dumped
+        for part in dotted.split("."):
+            node = node[part]
+        _flatten("recipe." + dotted, node, out, tuple("recipe." + e for e in stage.exclude))
+    return out
+
+
+def _load_module(stage: StageSpec) -> Any | None:
+    try:
+        return importlib.import_module(stage.module)
+    except ModuleNotFoundError as exc:
+        if exc.name == stage.module:
+            return None
+        raise
+
+
+def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
+                _memo: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
+    memo = {} if _memo is None else _memo
+    if stage.name in memo:
+        return memo[stage.name]
+    fp = recipe_inputs(ctx, stage)
+    module = _load_module(stage)
+    extra = getattr(module, "fingerprint_inputs", None) if module else None
+    if extra is not None:
+        sub_ctx = _sub_context(ctx, stage.name)
+        for key, value in extra(sub_ctx).items():
+            fp[f"input.{key}"] = str(value)
+    for need in stage.needs:
+        upstream = fingerprint(ctx, spec(need), state, memo)
+        record = state.get("stages", {}).get(need, {})
+        fp[f"stage.{need}"] = _digest([upstream, record.get("outputs")])
+    memo[stage.name] = fp
+    return fp
+
+
+def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    keys = sorted(set(old) | set(new))
+    return [k for k in keys if old.get(k) != new.get(k)]
+
+
+# --- status --------------------------------------------------------------------------------
+
+
+@dataclass
+class StageStatus:
+    name: str
+    state: str  # done | stale | failed | interrupted | pending
+    reason: str = ""
+    started: str | None = None
+    ended: str | None = None
+    log: str | None = None
+    summary: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return self.__dict__.copy()
+
+
+def _pid_alive(pid: Any) -> bool:
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, ValueError, TypeError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
+                 memo: dict[str, dict[str, str]] | None = None) -> StageStatus:
+    record = state.get("stages", {}).get(stage.name)
+    if not record:
+        return StageStatus(stage.name, "pending", summary=stage.summary)
+    base = StageStatus(
+        stage.name, record.get("status", "pending"), started=record.get("started"),
+        ended=record.get("ended"), log=record.get("log"), summary=record.get("summary", ""),
+    )
+    if base.state == "running":
+        if _pid_alive(record.get("pid")):
+            base.reason = f"running (pid {record.get('pid')})"
+            return base
+        base.state, base.reason = "interrupted", "the process running it was stopped; rerun it"
+        return base
+    if base.state == "failed":
+        base.reason = record.get("error", "")
+        return base
+    current = fingerprint(ctx, stage, state, memo)
+    changed = changed_inputs(record.get("fingerprint", {}), current)
+    if changed:
+        base.state = "stale"
+        shown = ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
+        base.reason = f"changed: {shown}"
+    return base
+
+
+def pipeline_status(ctx: StageContext) -> list[StageStatus]:
+    state = ctx.workspace.read_state()
+    memo: dict[str, dict[str, str]] = {}
+    return [stage_status(ctx, s, state, memo) for s in STAGES]
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def _sub_context(ctx: StageContext, stage: str, options: dict[str, Any] | None = None
+                 ) -> StageContext:
+    return StageContext(
+        recipe=ctx.recipe, series=ctx.series, workspace=ctx.workspace,
+        options=dict(options if options is not None else ctx.options),
+        progress=ctx.progress, stage=stage, verbose=ctx.verbose,
+    )
+
+
+def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
+    """Run one stage now (the caller holds the lock) and record the outcome."""
+    stage = spec(name)
+    module = _load_module(stage)
+    if module is None or not hasattr(module, "run"):
+        raise NotImplementedStage(
+            f"stage '{name}' is not implemented in this version of dsv4-offload; "
+            f"stop before it with `run --to {_previous(name)}`"
+        )
+    sub = _sub_context(ctx, name, options)
+    ws = ctx.workspace
+    state = ws.read_state()
+    fp = fingerprint(sub, stage, state)
+    started = now_iso()
+    t0 = time.monotonic()
+    # a running record replaces any earlier 'done': a killed rerun must not look finished
+    ws.write_stage_record(name, {"status": "running", "pid": os.getpid(), "started": started,
+                                 "log": str(sub.log_dir)})
+    try:
+        result: StageResult = module.run(sub)
+    except KeyboardInterrupt:
+        _record_failure(ws, name, started, t0, "interrupted by Ctrl-C", str(sub.log_dir))
+        raise
+    except Dsv4Error as exc:
+        _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
+        raise
+    except Exception as exc:
+        _record_failure(ws, name, started, t0, f"internal error: {exc!r}", str(sub.log_dir))
+        raise
+    if result.log is None:
+        result.log = str(sub.log_dir)
+    if not result.ok:
+        first = next((p for p in result.problems if p.severity == "error"), None)
+        error = result.summary + (f": {first.message}" if first else "")
+        _record_failure(ws, name, started, t0, error, result.log)
+        return result
+    ws.write_stage_record(name, {
+        "status": "done", "started": started, "ended": now_iso(),
+        "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,
+        "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
+        "log": result.log,
+    })
+    if result.outputs:
+        ws.update_provenance(name, result.outputs)
+    return result
+
+
+def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
+                    ) -> None:
+    ws.write_stage_record(name, {
+        "status": "failed", "started": started, "ended": now_iso(),
+        "seconds": round(time.monotonic() - t0, 3), "error": error, "log": log,
+    })
+
+
+def _previous(name: str) -> str:
+    idx = STAGE_NAMES.index(name)
+    return STAGE_NAMES[idx - 1] if idx else name
+
+
+@dataclass
+class PlanItem:
+    stage: str
+    action: str  # run | skip
+    reason: str
+
+
+def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
+         force: tuple[str, ...] = ()) -> list[PlanItem]:
+    names = list(STAGE_NAMES)
+    lo = names.index(spec(start).name) if start else 0
+    hi = names.index(spec(stop).name) if stop else len(names) - 1
+    if lo > hi:
+        raise InputError(f"--from {start} comes after --to {stop}; swap them")
+    for f in force:
+        spec(f)
+    state = ctx.workspace.read_state()
+    memo: dict[str, dict[str, str]] = {}
+    items = []
+    for s in STAGES[lo : hi + 1]:
+        if s.name in force:
+            items.append(PlanItem(s.name, "run", "forced"))
+            continue
+        st = stage_status(ctx, s, state, memo)
+        if st.state == "done":
+            items.append(PlanItem(s.name, "skip", "done, inputs unchanged"))
+        else:
+            items.append(PlanItem(s.name, "run", st.reason or st.state))
+    return items
+
+
+@dataclass
+class RunOutcome:
+    results: list[tuple[str, StageResult]]
+    skipped: list[str]
+    exit_code: ExitCode
+    stopped_at: str | None = None
+
+
+def run_pipeline(
+    ctx: StageContext,
+    start: str | None = None,
+    stop: str | None = None,
+    force: tuple[str, ...] = (),
+    on_stage: Callable[[str, str], None] | None = None,
+) -> RunOutcome:
+    """Run the stages in order, skipping done ones; stop at the first failure."""
+    results: list[tuple[str, StageResult]] = []
+    skipped: list[str] = []
+    for item in plan(ctx, start, stop, force):
+        # re-plan each step: a stage that just ran changes its dependents' fingerprints
+        current = plan(ctx, item.stage, item.stage, force)[0]
+        if current.action == "skip":
+            skipped.append(item.stage)
+            if on_stage:
+                on_stage(item.stage, "skip")
+            continue
+        if on_stage:
+            on_stage(item.stage, "run")
+        options = dict(ctx.options)
+        options.update(spec(item.stage).run_options)
+        result = run_stage(ctx, item.stage, options)
+        results.append((item.stage, result))
+        if not result.ok:
+            return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=item.stage)
+    return RunOutcome(results, skipped, ExitCode.OK)
+
+
+def iter_specs() -> Iterator[StageSpec]:
+    return iter(STAGES)
+
+
+def failed_result(summary: str, message: str, fix: str = "", check: str = "") -> StageResult:
+    """A FAILED result with one error problem (shared shape for stages)."""
+    return StageResult(Status.FAILED, summary, problems=[Problem("error", message, fix, check)])
+
+
+def model_digest(value: BaseModel) -> str:
+    return _digest(value.model_dump(mode="json", by_alias=True))

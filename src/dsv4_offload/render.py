@@ -1,0 +1,120 @@
+"""Human rendering with rich: results, problem tables, status tables, progress bars."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TransferSpeedColumn,
+)
+from rich.progress import (
+    Progress as RichBar,
+)
+from rich.table import Table
+
+from dsv4_offload.stage import Progress, StageResult, Status, Task
+
+STATUS_STYLE = {
+    "ok": "green", "done": "green", "pass": "green", "clean": "green", "skipped": "dim",
+    "skip": "dim", "warn": "yellow", "stale": "yellow", "offset": "yellow", "pending": "dim",
+    "running": "cyan", "failed": "red", "fail": "red", "error": "red", "interrupted": "red",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def console() -> Console:
+    return Console(highlight=False)
+
+
+@functools.lru_cache(maxsize=1)
+def err_console() -> Console:
+    return Console(stderr=True, highlight=False)
+
+
+def styled(text: str) -> str:
+    style = STATUS_STYLE.get(text.lower(), "")
+    return f"[{style}]{text}[/{style}]" if style else text
+
+
+def checks_table(checks: list[dict[str, Any]]) -> Table:
+    table = Table(show_lines=False, pad_edge=False)
+    for col in ("check", "status", "observed", "required", "fix"):
+        table.add_column(col, overflow="fold")
+    for c in checks:
+        table.add_row(
+            str(c.get("name", c.get("check", ""))), styled(str(c.get("status", ""))),
+            str(c.get("observed", "")), str(c.get("required", "")), str(c.get("fix", "")),
+        )
+    return table
+
+
+def problems_table(result: StageResult) -> Table:
+    table = Table(show_lines=False, pad_edge=False)
+    table.add_column("severity")
+    table.add_column("problem", overflow="fold")
+    table.add_column("fix", overflow="fold")
+    for p in result.problems:
+        table.add_row(styled(p.severity if p.severity != "error" else "error"), p.message, p.fix)
+    return table
+
+
+def render_result(command: str, result: StageResult, verbose: bool = False,
+                  quiet: bool = False) -> None:
+    out = console()
+    checks = result.data.get("checks") if isinstance(result.data, dict) else None
+    if isinstance(checks, list) and checks and not quiet:
+        out.print(checks_table(checks))
+    elif result.problems and not quiet:
+        out.print(problems_table(result))
+    out.print(f"{command}: {styled(result.status.value)} — {result.summary}")
+    if result.log and (result.status == Status.FAILED or verbose):
+        out.print(f"see the log: {result.log}")
+
+
+class RichProgress(Progress):
+    """Progress bars on stderr; bytes get transfer columns, counts get M/N."""
+
+    def __init__(self) -> None:
+        self._bar: RichBar | None = None
+        self._open = 0
+
+    def _ensure(self) -> RichBar:
+        if self._bar is None:
+            self._bar = RichBar(
+                TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                DownloadColumn(), TransferSpeedColumn(), TimeElapsedColumn(),
+                console=err_console(), transient=True,
+            )
+            self._bar.start()
+        return self._bar
+
+    def task(self, description: str, total: float | None = None, unit: str = "") -> Task:
+        t = Task(description, total, unit, self)
+        t.handle = self._ensure().add_task(description, total=total)
+        self._open += 1
+        return t
+
+    def on_update(self, task: Task) -> None:
+        if self._bar is not None and task.handle is not None:
+            self._bar.update(task.handle, completed=task.completed, total=task.total,
+                             description=task.description)
+
+    def on_close(self, task: Task) -> None:
+        if self._bar is None or task.handle is None:
+            return
+        self._bar.remove_task(task.handle)
+        task.handle = None
+        self._open -= 1
+        if self._open <= 0:
+            self._bar.stop()
+            self._bar = None
+
+    def message(self, text: str) -> None:
+        err_console().print(text)

@@ -1,0 +1,1 @@
+"""Stage implementations: one module per stage, each with run(ctx) -> StageResult."""
