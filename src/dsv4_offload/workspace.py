@@ -100,6 +100,11 @@ class Workspace:
         """Pid files and sockets of the supervised server."""
         return self.meta_dir / "run"
 
+    @property
+    def serve_record(self) -> Path:
+        """The supervised server's record: pids, URL, log (written by the supervisor)."""
+        return self.run_dir / "serve.json"
+
     def log_dir(self, stage: str) -> Path:
         return self.root / "logs" / (stage or "misc")
 
@@ -114,6 +119,15 @@ class Workspace:
 
     def gguf_dir(self, recipe: Recipe) -> Path:
         return self.root / recipe.conversion.gguf_dir
+
+    def weights_record(self, which: str) -> Path:
+        """Hub listing and verified-file cache of one weight set (download stage)."""
+        return self.meta_dir / "weights" / f"{which}.json"
+
+    @property
+    def hub_cache_dir(self) -> Path:
+        """The hub clients' cache (locks, refs); the weights themselves go to weights_dir."""
+        return self.meta_dir / "hub-cache"
 
     def ensure(self) -> None:
         try:
