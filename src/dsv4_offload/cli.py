@@ -234,13 +234,29 @@ def _register_areas() -> None:
 _register_areas()
 
 
+def _command_name(args: list[str]) -> str:
+    """The subcommand words in argv (for error documents), skipping option values."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    words: list[str] = []
+    for arg in args:
+        commands = getattr(group, "commands", None)
+        if commands is None:
+            break
+        if arg in commands:
+            words.append(arg)
+            group = commands[arg]
+    return " ".join(words)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: expected failures print one line and exit with their code."""
     import click
 
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args
-    command = next((a for a in args if not a.startswith("-")), "")
+    command = _command_name(args)
     try:
         rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:

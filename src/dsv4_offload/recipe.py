@@ -595,13 +595,16 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str], path: str) -> dic
                     )
                 idx: Any = int(part)
             elif isinstance(node, dict):
-                idx = part
-                if not last and part not in node:
+                # YAML reads `5:` as an int key (layer digests): match it from the dotted text
+                idx = int(part) if part.isdigit() and int(part) in node else part
+                if not last and idx not in node:
                     raise InputError(f"--set {key}: '{part}' is not a key of {path}")
             else:
                 raise InputError(f"--set {key}: '{parts[i - 1]}' is not a mapping or list")
             if last:
-                node[idx] = value
+                # a field that holds a string stays a string ("1111..." is a commit, not an int)
+                current = node[idx] if isinstance(node, list) else node.get(idx)
+                node[idx] = raw if isinstance(current, str) else value
             else:
                 node = node[idx]
     return doc
@@ -645,6 +648,8 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
             where = f"{path}:{line}" if line else str(path)
             for field, ref in (("target", patch.target), ("origin.source", patch.origin.source)):
                 if ref is not None and ref not in names:
+                    line = _line_of(doc, ("patches", i, *field.split(".")))
+                    where = f"{path}:{line}" if line else str(path)
                     raise InputError(
                         f"{where}: patches[{i}].{field}: '{ref}' is not a source of recipe "
                         f"'{recipe.name}'; use one of {names}"

@@ -1,0 +1,52 @@
+"""Shared fixtures: running the real console script, and fresh workspaces."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+TESTS = Path(__file__).parent
+REPO = TESTS.parent
+CLI = [sys.executable, "-m", "dsv4_offload"]
+
+
+class CliResult:
+    def __init__(self, proc: subprocess.CompletedProcess[str]) -> None:
+        self.code = proc.returncode
+        self.out = proc.stdout
+        self.err = proc.stderr
+
+    def json(self) -> Any:
+        return json.loads(self.out)
+
+    def __repr__(self) -> str:
+        return f"<exit {self.code}\nstdout:\n{self.out}\nstderr:\n{self.err}>"
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+            timeout: float = 120) -> CliResult:
+    """Run `python -m dsv4_offload ARGS` as a user would, and capture its output."""
+    full_env = dict(os.environ)
+    full_env.pop("DSV4_WORKSPACE", None)
+    full_env.update(env or {})
+    proc = subprocess.run([*CLI, *args], capture_output=True, text=True, env=full_env,
+                          cwd=cwd, timeout=timeout, stdin=subprocess.DEVNULL)
+    return CliResult(proc)
+
+
+@pytest.fixture
+def cli():  # type: ignore[no-untyped-def]
+    return run_cli
+
+
+@pytest.fixture
+def fake_stages_env() -> dict[str, str]:
+    """Environment selecting the instrumented stage package for pipeline tests."""
+    path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path}

@@ -1,0 +1,36 @@
+"""Instrumented stand-ins for the stage modules, for testing the pipeline itself.
+
+Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
+<workspace>/ran.log and obeys <workspace>/behave/<stage>: 'fail' returns a failed result,
+'raise' raises an InputError, 'sleep' sleeps until killed, 'interrupt' raises Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import time
+
+from dsv4_offload.errors import InputError
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+
+
+def make(name: str):  # type: ignore[no-untyped-def]
+    def run(ctx: StageContext) -> StageResult:
+        root = ctx.workspace.root
+        behave_file = root / "behave" / name
+        behave = behave_file.read_text().strip() if behave_file.exists() else "ok"
+        with open(root / "ran.log", "a") as fh:
+            fh.write(f"{name}\n")
+        if behave == "sleep":
+            (root / f"{name}.started").write_text("x")
+            time.sleep(600)
+        if behave == "interrupt":
+            raise KeyboardInterrupt
+        if behave == "raise":
+            raise InputError(f"{name}: bad input; fix it")
+        if behave == "fail":
+            return StageResult(Status.FAILED, f"{name} failed on purpose",
+                               problems=[Problem("error", "told to fail", "remove behave file")])
+        return StageResult(Status.OK, f"{name} ok", outputs={"stage": name,
+                           "options": sorted(k for k, v in ctx.options.items() if v)})
+
+    return run

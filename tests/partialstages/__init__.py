@@ -1,0 +1,1 @@
+"""Only a doctor stage: the others are missing, as in a partial implementation."""

@@ -1,0 +1,211 @@
+"""The pipeline through the real CLI, with instrumented stages: resume, staleness, lock."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import CLI
+
+ALL = ["doctor", "fetch", "patch", "build", "download", "convert", "verify-gguf", "serve",
+       "accept"]
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    return tmp_path / "ws"
+
+
+def ran(ws: Path) -> list[str]:
+    log = ws / "ran.log"
+    return log.read_text().split() if log.exists() else []
+
+
+def behave(ws: Path, stage: str, what: str | None) -> None:
+    path = ws / "behave" / stage
+    if what is None:
+        path.unlink(missing_ok=True)
+    else:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(what)
+
+
+def states(cli, ws: Path, env: dict[str, str], *extra: str) -> dict[str, dict]:
+    res = cli("--json", "-w", str(ws), *extra, "status", env=env)
+    assert res.code == 0, res
+    return {s["name"]: s for s in res.json()["data"]["stages"]}
+
+
+def start_background(ws: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    full = dict(os.environ, **env)
+    return subprocess.Popen([*CLI, "-w", str(ws), *args], env=full, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_new_workspace_is_all_pending(cli, ws: Path, fake_stages_env) -> None:
+    st = states(cli, ws, fake_stages_env)
+    assert list(st) == ALL
+    assert {s["state"] for s in st.values()} == {"pending"}
+
+
+def test_run_then_rerun_skips_everything(cli, ws: Path, fake_stages_env) -> None:
+    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert res.code == 0, res
+    assert ran(ws) == ALL
+    assert {s["state"] for s in states(cli, ws, fake_stages_env).values()} == {"done"}
+    again = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert again.code == 0, again
+    assert ran(ws) == ALL  # nothing ran a second time
+    assert "skip (done)" in again.out
+    prov = (ws / "provenance.json").read_text()
+    assert '"accept"' in prov and '"schema": 1' in prov
+
+
+def test_serve_runs_detached_inside_run(cli, ws: Path, fake_stages_env) -> None:
+    res = cli("--json", "-w", str(ws), "run", "--to", "serve", env=fake_stages_env)
+    assert res.code == 0, res
+    assert res.json()["data"]["stages"]["serve"]["outputs"]["options"] == ["detach"]
+
+
+def test_killed_run_resumes_from_the_interrupted_stage(cli, ws: Path, fake_stages_env) -> None:
+    behave(ws, "convert", "sleep")
+    proc = start_background(ws, fake_stages_env, "run")
+    try:
+        wait_for(ws / "convert.started")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    st = states(cli, ws, fake_stages_env)
+    assert st["convert"]["state"] == "interrupted"
+    assert [st[s]["state"] for s in ALL[:5]] == ["done"] * 5
+    assert [st[s]["state"] for s in ALL[6:]] == ["pending"] * 3
+    behave(ws, "convert", None)
+    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert res.code == 0, res
+    assert ran(ws) == ALL[:6] + ALL[5:]  # convert again, then the rest, nothing before it
+
+
+def test_recipe_change_makes_exactly_the_dependents_stale(cli, ws: Path, fake_stages_env) -> None:
+    assert cli("-w", str(ws), "run", env=fake_stages_env).code == 0
+    st = states(cli, ws, fake_stages_env, "--set", "acceptance.probes.0.prompt=Rome is in")
+    assert [s for s in ALL if st[s]["state"] == "stale"] == ["accept"]
+    assert "recipe.acceptance.probes[capital-zh].prompt" in st["accept"]["reason"]
+
+    other = "1" * 40
+    st = states(cli, ws, fake_stages_env, "--set", f"sources.1.commit={other}")
+    stale = [s for s in ALL if st[s]["state"] == "stale"]
+    assert stale == ["fetch", "patch", "build", "serve", "accept"]
+    assert "recipe.sources[sglang].commit" in st["fetch"]["reason"]
+    assert "stage.fetch" in st["patch"]["reason"]
+
+    st = states(cli, ws, fake_stages_env, "--set", "conversion.digests.5=" + "0" * 64)
+    assert [s for s in ALL if st[s]["state"] == "stale"] == ["verify-gguf", "serve", "accept"]
+
+    # running with the change reruns exactly those stages
+    res = cli("-w", str(ws), "--set", f"sources.1.commit={other}", "run", env=fake_stages_env)
+    assert res.code == 0, res
+    assert ran(ws)[len(ALL):] == ["fetch", "patch", "build", "serve", "accept"]
+
+
+def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_env) -> None:
+    behave(ws, "build", "fail")
+    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert res.code == 1, res
+    assert ran(ws) == ALL[:4]
+    assert "run stopped at build" in res.out
+    st = states(cli, ws, fake_stages_env)
+    assert st["build"]["state"] == "failed"
+    assert "told to fail" in st["build"]["reason"]
+    assert st["build"]["log"].endswith("logs/build")
+    behave(ws, "build", "raise")
+    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert res.code == 2 and res.err.strip() == "error: build: bad input; fix it", res
+    assert states(cli, ws, fake_stages_env)["build"]["state"] == "failed"
+
+
+def test_ctrl_c_records_the_stage_as_failed(cli, ws: Path, fake_stages_env) -> None:
+    behave(ws, "fetch", "interrupt")
+    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    assert res.code == 130, res
+    st = states(cli, ws, fake_stages_env)
+    assert st["fetch"]["state"] == "failed" and "Ctrl-C" in st["fetch"]["reason"]
+
+
+def test_second_concurrent_run_is_refused(cli, ws: Path, fake_stages_env) -> None:
+    behave(ws, "doctor", "sleep")
+    proc = start_background(ws, fake_stages_env, "run")
+    try:
+        wait_for(ws / "doctor.started")
+        t0 = time.monotonic()
+        res = cli("-w", str(ws), "run", env=fake_stages_env)
+        assert time.monotonic() - t0 < 20
+        assert res.code == 3, res
+        assert f"pid {proc.pid}" in res.err and "is in use" in res.err
+        assert ran(ws) == ["doctor"]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def test_from_to_force_and_dry_run(cli, ws: Path, fake_stages_env) -> None:
+    res = cli("-w", str(ws), "run", "--from", "fetch", "--to", "patch", env=fake_stages_env)
+    assert res.code == 0 and ran(ws) == ["fetch", "patch"], res
+    res = cli("--json", "-w", str(ws), "run", "--dry-run", "--force", "fetch",
+              env=fake_stages_env)
+    plan = {p["stage"]: (p["action"], p["reason"]) for p in res.json()["data"]["plan"]}
+    assert plan["fetch"] == ("run", "forced")
+    assert plan["patch"][0] == "skip"
+    assert plan["build"] == ("run", "pending")
+    assert ran(ws) == ["fetch", "patch"]  # a dry run runs nothing
+    res = cli("-w", str(ws), "run", "--to", "patch", "--force", "fetch", env=fake_stages_env)
+    assert res.code == 0 and ran(ws) == ["fetch", "patch", "doctor", "fetch"], res
+    bad = cli("-w", str(ws), "run", "--from", "accept", "--to", "fetch", env=fake_stages_env)
+    assert bad.code == 2 and "comes after" in bad.err
+    bad = cli("-w", str(ws), "run", "--from", "compile", env=fake_stages_env)
+    assert bad.code == 2 and "unknown stage 'compile'" in bad.err
+
+
+def test_unimplemented_stage_stops_run_and_is_never_done(cli, ws: Path, fake_stages_env) -> None:
+    env = dict(fake_stages_env, DSV4_STAGE_PACKAGE="partialstages")
+    res = cli("-w", str(ws), "run", env=env)
+    assert res.code == 4, res
+    assert "stage 'fetch' is not implemented" in res.err
+    st = states(cli, ws, env)
+    assert st["doctor"]["state"] == "done" and st["fetch"]["state"] == "pending"
+
+
+def test_state_file_is_valid_json_after_every_step(ws: Path, fake_stages_env) -> None:
+    # the state file is replaced atomically: no temp files remain next to it
+    full = dict(os.environ, **fake_stages_env)
+    subprocess.run([*CLI, "-w", str(ws), "run"], env=full, check=True, capture_output=True)
+    meta = ws / ".dsv4"
+    assert sorted(p.name for p in meta.iterdir()) == ["lock", "state.json"]
+
+
+def test_corrupt_state_file_gives_one_line(cli, ws: Path, fake_stages_env) -> None:
+    (ws / ".dsv4").mkdir(parents=True)
+    (ws / ".dsv4" / "state.json").write_text("{not json")
+    res = cli("-w", str(ws), "status", env=fake_stages_env)
+    assert res.code == 2 and "state.json: unreadable JSON" in res.err, res
+    assert len(res.err.strip().splitlines()) == 1
+
+
+def test_help_lists_every_command(cli) -> None:
+    res = cli("--help")
+    assert res.code == 0
+    for command in ("run", "status", "doctor", "recipe"):
+        assert command in res.out
+    assert sys.executable  # the console script equals `python -m dsv4_offload`
