@@ -1,0 +1,300 @@
+"""Model hubs: file listings, resumable per-file downloads, and our own verification.
+
+The hub clients (``huggingface_hub``, ``modelscope``) fetch and resume; we never trust
+them for integrity (``huggingface_hub`` accepted a corrupted file silently), so every
+file is checked here against the hub's listing: size always, sha256 when the hub lists
+one (LFS files, ModelScope), the git blob id otherwise (small files on Hugging Face).
+Client imports stay inside functions so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_offload.errors import Dsv4Error, InputError
+
+HUBS = ("huggingface", "modelscope")
+DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}
+ENDPOINT_ENV = {"huggingface": "HF_ENDPOINT", "modelscope": "MODELSCOPE_ENDPOINT"}
+HASH_CHUNK = 8 << 20
+
+
+class HubError(Dsv4Error):
+    """A hub could not be reached or refused a request."""
+
+
+@dataclass(frozen=True)
+class HubFile:
+    """One file of a hub listing: what a correct local copy must match."""
+
+    path: str
+    size: int
+    sha256: str | None = None
+    git_oid: str | None = None  # sha1 of the git blob; Hugging Face lists it for every file
+
+    @classmethod
+    def from_dict(cls, value: Any, where: str) -> HubFile:
+        if not isinstance(value, dict) or not isinstance(value.get("path"), str) \
+                or not isinstance(value.get("size"), int) or value["size"] < 0:
+            raise InputError(f"{where}: a file entry lacks 'path' or a non-negative 'size'; "
+                             "delete the file and rerun `dsv4-offload download` online")
+        return cls(value["path"], value["size"], value.get("sha256"), value.get("git_oid"))
+
+
+@dataclass
+class HubListing:
+    """The files of one repo at one revision, as the hub lists them."""
+
+    hub: str
+    repo_id: str
+    revision: str
+    resolved: str | None  # the commit sha the revision pointed at (None if the hub has none)
+    endpoint: str
+    files: list[HubFile] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def digest(self) -> str:
+        """A short identity of the listing's content (paths, sizes, hashes)."""
+        h = hashlib.sha256()
+        for f in sorted(self.files, key=lambda f: f.path):
+            h.update(f"{f.path}\0{f.size}\0{f.sha256 or ''}\0{f.git_oid or ''}\n".encode())
+        return h.hexdigest()[:16]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"hub": self.hub, "repo_id": self.repo_id, "revision": self.revision,
+                "resolved": self.resolved, "endpoint": self.endpoint,
+                "files": [asdict(f) for f in self.files]}
+
+    @classmethod
+    def from_dict(cls, value: Any, where: str) -> HubListing:
+        if not isinstance(value, dict) or value.get("hub") not in HUBS \
+                or not isinstance(value.get("files"), list):
+            raise InputError(f"{where}: not a hub listing (needs 'hub' and 'files'); delete it "
+                             "and rerun `dsv4-offload download` online")
+        return cls(value["hub"], str(value.get("repo_id")), str(value.get("revision")),
+                   value.get("resolved"), str(value.get("endpoint")),
+                   [HubFile.from_dict(f, where) for f in value["files"]])
+
+
+def resolve_endpoint(hub: str, override: str | None = None) -> str:
+    """--endpoint wins, then the hub's own variable (HF_ENDPOINT, MODELSCOPE_ENDPOINT)."""
+    value = override or os.environ.get(ENDPOINT_ENV[hub]) or DEFAULT_ENDPOINTS[hub]
+    if not value.startswith(("http://", "https://")):
+        raise InputError(f"endpoint '{value}' for {hub} must start with http:// or https:// "
+                         f"(from --endpoint or {ENDPOINT_ENV[hub]})")
+    return value.rstrip("/")
+
+
+def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return HubError(
+        f"cannot list {repo_id} on {hub} at {endpoint} ({type(exc).__name__}: {reason[:160]})",
+        hint=f"check the network or a mirror (--endpoint URL or {ENDPOINT_ENV[hub]}); if the "
+        "files are already on disk, rerun with --local-dir-only",
+    )
+
+
+def filter_paths(paths: list[str], allow_patterns: list[str]) -> list[str]:
+    """The hub clients' own pattern semantics (fnmatch; a trailing '/' means a folder)."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    return list(filter_repo_objects(paths, allow_patterns=allow_patterns or None))
+
+
+def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
+               endpoint: str) -> HubListing:
+    """Ask the hub which files ``revision`` holds (after the allow patterns)."""
+    if hub == "huggingface":
+        listing = _list_huggingface(repo_id, revision, endpoint)
+    elif hub == "modelscope":
+        listing = _list_modelscope(repo_id, revision, endpoint)
+    else:  # the recipe model only admits HUBS
+        raise InputError(f"unknown hub '{hub}'; use one of {list(HUBS)}")
+    keep = set(filter_paths([f.path for f in listing.files], allow_patterns))
+    listing.files = [f for f in listing.files if f.path in keep]
+    if not listing.files:
+        raise InputError(
+            f"{hub} {repo_id}@{revision} lists no file matching allow_patterns {allow_patterns}; "
+            "fix weights.*.allow_patterns in the recipe"
+        )
+    return listing
+
+
+def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import (
+        HfHubHTTPError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=endpoint)
+    try:
+        info = api.repo_info(repo_id, revision=revision)
+        if not info.sha:
+            raise HubError(f"{endpoint}: repo info of {repo_id}@{revision} has no commit sha")
+        entries = list(api.list_repo_tree(repo_id, recursive=True, revision=info.sha))
+    except RevisionNotFoundError:
+        raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
+                         "weights.*.revision in the recipe") from None
+    except RepositoryNotFoundError:
+        raise InputError(f"{repo_id} not found on huggingface at {endpoint} (or it is gated: "
+                         "log in with `hf auth login`); fix weights.*.repo_id") from None
+    except (HfHubHTTPError, OSError) as exc:
+        raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+    except Exception as exc:
+        # transport errors (connect, timeout) come from the client's httpx-family package,
+        # whose name changes between huggingface_hub releases; match it by module
+        if type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore")):
+            raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+        raise
+    files = []
+    for e in entries:
+        if not isinstance(e, RepoFile):
+            continue
+        sha = e.lfs.sha256 if e.lfs is not None else None
+        files.append(HubFile(e.path, int(e.size), sha, None if sha else e.blob_id))
+    return HubListing("huggingface", repo_id, revision, info.sha, endpoint, files)
+
+
+def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
+    import requests
+    from modelscope_hub.api import HubApi
+    from modelscope_hub.errors import NotExistError
+
+    try:
+        entries = HubApi(endpoint=endpoint).list_repo_files(repo_id, "model", revision=revision)
+    except NotExistError:
+        raise InputError(f"{repo_id}@{revision} not found on modelscope at {endpoint}; fix "
+                         "weights.*.repo_id / revision in the recipe") from None
+    except (requests.RequestException, OSError) as exc:
+        raise _unreachable("modelscope", repo_id, endpoint, exc) from None
+    except Exception as exc:
+        if type(exc).__module__.startswith("modelscope_hub"):
+            raise _unreachable("modelscope", repo_id, endpoint, exc) from None
+        raise
+    files = [HubFile(e.path, int(e.size), (e.sha256 or "").lower() or None)
+             for e in entries if getattr(e, "type", "blob") != "tree"]
+    # ModelScope's listing names no repo-wide commit; the listing digest stands in for it
+    return HubListing("modelscope", repo_id, revision, None, endpoint, files)
+
+
+# --- local copies --------------------------------------------------------------------------
+
+
+def client_metadata_paths(hub: str, local_dir: Path, path: str) -> list[Path]:
+    """Files a client keeps beside a local copy; removing them forces a clean re-fetch."""
+    if hub == "huggingface":
+        # partial downloads (*.incomplete) are left alone: they are how the client resumes
+        base = local_dir / ".cache" / "huggingface" / "download" / path
+        return [base.with_name(base.name + ".metadata")]
+    return []
+
+
+def forget_local_copy(hub: str, local_dir: Path, path: str) -> None:
+    """Delete a bad local copy and the client's notes on it, so the next fetch starts clean."""
+    for p in [local_dir / path, *client_metadata_paths(hub, local_dir, path)]:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+
+
+def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+            if on_bytes:
+                on_bytes(len(chunk))
+    return h.hexdigest()
+
+
+def git_blob_oid(path: Path) -> str:
+    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # git blob id, not security
+    with open(path, "rb") as fh:
+        while chunk := fh.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_content(local: Path, expected: HubFile,
+                  on_bytes: Callable[[int], None] | None = None) -> str | None:
+    """None when ``local`` matches ``expected``; otherwise one line saying what differs."""
+    try:
+        size = local.stat().st_size
+    except FileNotFoundError:
+        return "missing"
+    if size != expected.size:
+        return f"size {size} B, the hub lists {expected.size} B"
+    if expected.sha256:
+        got = file_sha256(local, on_bytes)
+        if got != expected.sha256.lower():
+            return f"sha256 {got[:12]}…, the hub lists {expected.sha256[:12]}…"
+    elif expected.git_oid:
+        got = git_blob_oid(local)
+        if on_bytes:
+            on_bytes(size)
+        if got != expected.git_oid:
+            return f"git blob id {got[:12]}…, the hub lists {expected.git_oid[:12]}…"
+    return None
+
+
+# --- fetching ------------------------------------------------------------------------------
+
+
+def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir: Path, *,
+          max_workers: int = 4, on_file_done: Callable[[HubFile], None] | None = None,
+          ) -> dict[str, str]:
+    """Download ``files`` into ``local_dir`` with the hub's client; resumes partial files.
+
+    Returns {path: error line} for the files that failed (the others are on disk).
+    """
+    local_dir.mkdir(parents=True, exist_ok=True)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    one = _fetch_one_huggingface if listing.hub == "huggingface" else _fetch_one_modelscope
+    if listing.hub == "huggingface":
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()  # stages never print; progress goes through ctx.progress
+    failures: dict[str, str] = {}
+    with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+        futures = {pool.submit(one, listing, f, local_dir, cache_dir): f for f in files}
+        for fut in as_completed(futures):
+            f = futures[fut]
+            try:
+                fut.result()
+            except Exception as exc:  # any client error becomes one line for this file
+                text = str(exc).splitlines()[0] if str(exc) else ""
+                failures[f.path] = f"{type(exc).__name__}: {text[:200]}"
+            else:
+                if on_file_done:
+                    on_file_done(f)
+    return failures
+
+
+def _fetch_one_huggingface(listing: HubListing, f: HubFile, local_dir: Path,
+                           cache_dir: Path) -> None:
+    from huggingface_hub import hf_hub_download
+
+    # revision = the resolved commit, so a branch moving mid-download cannot mix snapshots
+    hf_hub_download(listing.repo_id, f.path, revision=listing.resolved or listing.revision,
+                    local_dir=local_dir, cache_dir=cache_dir, endpoint=listing.endpoint)
+
+
+def _fetch_one_modelscope(listing: HubListing, f: HubFile, local_dir: Path,
+                          cache_dir: Path) -> None:
+    from modelscope_hub.api import HubApi
+
+    HubApi(endpoint=listing.endpoint).download_file(
+        listing.repo_id, "model", f.path, revision=listing.revision, cache_dir=cache_dir,
+        local_dir=local_dir, expected_sha256=f.sha256, file_size=f.size)

@@ -1,0 +1,346 @@
+"""The download stage: the W8A8 (NPU) and MXFP4 (conversion source) weights, verified by us.
+
+For each weight set: ask the hub for its listing at the recipe's revision (the resolved
+commit is what we fetch and record), check what is already on disk, make sure the disk
+can take the rest, fetch the missing files with the hub's client (it resumes partial
+files), then check every file against the listing: size always, sha256 or git blob id
+where the hub gives one. Hashes of files already verified are cached by (size, mtime), so
+a rerun with everything present hashes nothing and fetches nothing. A corrupt file is
+named, removed, and fetched again on the next run (``--repair`` re-hashes everything).
+"""
+
+from __future__ import annotations
+
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_offload import hubs
+from dsv4_offload.errors import InputError
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.workspace import atomic_write_json, now_iso, read_json
+
+WEIGHT_SETS = ("w8a8", "mxfp4")
+RECORD_SCHEMA = 1
+HASH_WORKERS = 2  # sha256 runs ~1.5 GB/s per thread; two saturate most disks
+GIB = 1 << 30
+
+
+@dataclass
+class SetReport:
+    """What happened to one weight set."""
+
+    name: str
+    listing: hubs.HubListing | None = None
+    fetched: list[str] = field(default_factory=list)
+    fetched_bytes: int = 0
+    hashed_bytes: int = 0
+    bad: dict[str, str] = field(default_factory=dict)  # path -> what is wrong (after fetching)
+    refetched: dict[str, str] = field(default_factory=dict)  # corrupt before, fetched again
+    missing: list[str] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not any(p.severity == "error" for p in self.problems)
+
+
+class DownloadLog:
+    """The stage log: one line per decision, so a failure can be traced afterwards."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(self, text: str) -> None:
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(f"{now_iso()} {text}\n")
+
+
+def requested_sets(ctx: StageContext) -> list[str]:
+    which = ctx.option("which")
+    if which in (None, "", "all"):
+        return list(WEIGHT_SETS)
+    if which not in WEIGHT_SETS:
+        raise InputError(f"download: unknown weight set '{which}'; use one of "
+                         f"{', '.join(WEIGHT_SETS)} (or nothing for both)")
+    return [which]
+
+
+def run(ctx: StageContext) -> StageResult:
+    sets = requested_sets(ctx)
+    log = DownloadLog(ctx.log_dir / "download.log")
+    reports = [download_set(ctx, name, log) for name in sets]
+    problems = [p for r in reports for p in r.problems]
+    data = {r.name: _report_data(ctx, r) for r in reports}
+    outputs = _outputs(ctx, reports)
+    if not all(r.ok for r in reports):
+        bad = [r.name for r in reports if not r.ok]
+        return StageResult(Status.FAILED, f"weights not complete: {', '.join(bad)}", data=data,
+                           problems=problems, log=str(log.path))
+    others = [n for n in WEIGHT_SETS if n not in sets and n not in outputs]
+    for name in others:
+        problems.append(Problem(
+            "warning", f"the {name} weights have not been downloaded yet",
+            fix=f"run `dsv4-offload download {name}` before serving", check=name))
+    status = Status.WARN if any(p.severity == "warning" for p in problems) else Status.OK
+    fetched = sum(r.fetched_bytes for r in reports)
+    summary = ", ".join(
+        f"{r.name}: {len(r.listing.files) if r.listing else 0} files verified" for r in reports)
+    if fetched:
+        summary += f" ({fetched / GIB:.2f} GiB fetched)"
+    return StageResult(status, summary, data=data, problems=problems, outputs=outputs,
+                       log=str(log.path))
+
+
+def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
+    listing = r.listing
+    return {
+        "dir": str(ctx.workspace.weights_dir(ctx.recipe, r.name)),
+        "hub": listing.hub if listing else None,
+        "repo_id": listing.repo_id if listing else None,
+        "revision": listing.revision if listing else None,
+        "resolved": listing.resolved if listing else None,
+        "endpoint": listing.endpoint if listing else None,
+        "files": len(listing.files) if listing else 0,
+        "bytes": listing.total_bytes if listing else 0,
+        "fetched": r.fetched,
+        "fetched_bytes": r.fetched_bytes,
+        "hashed_bytes": r.hashed_bytes,
+        "refetched_corrupt": r.refetched,
+        "bad": r.bad,
+        "missing": r.missing,
+        "extra_local_files": r.extra,
+    }
+
+
+def _outputs(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
+    """Stable facts only (they feed convert's fingerprint): no times, no byte counts fetched."""
+    previous = ctx.workspace.read_state().get("stages", {}).get("download", {})
+    outputs: dict[str, Any] = {}
+    if previous.get("status") == "done":
+        outputs.update({k: v for k, v in (previous.get("outputs") or {}).items()
+                        if k in WEIGHT_SETS})
+    for r in reports:
+        if r.ok and r.listing is not None:
+            outputs[r.name] = {
+                "hub": r.listing.hub, "repo_id": r.listing.repo_id,
+                "revision": r.listing.revision, "resolved": r.listing.resolved,
+                "listing_digest": r.listing.digest(), "files": len(r.listing.files),
+                "bytes": r.listing.total_bytes,
+                "dir": str(ctx.workspace.weights_dir(ctx.recipe, r.name)),
+            }
+    return outputs
+
+
+# --- one weight set ------------------------------------------------------------------------
+
+
+def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
+    spec = getattr(ctx.recipe.weights, name)
+    local_dir = ctx.workspace.weights_dir(ctx.recipe, name)
+    record_path = ctx.workspace.weights_record(name)
+    offline = bool(ctx.option("local_dir_only"))
+    repair = bool(ctx.option("repair"))
+    report = SetReport(name)
+    record = _read_record(record_path, spec)
+
+    if offline:
+        if record is None:
+            report.problems.append(Problem(
+                "error", f"{name}: no hub listing recorded for {spec.repo_id}@{spec.revision}, "
+                "so the local files cannot be checked offline",
+                fix=f"run `dsv4-offload download {name}` once with network access "
+                f"(or copy {record_path} from the machine that downloaded them)", check=name))
+            return report
+        listing = hubs.HubListing.from_dict(record["listing"], str(record_path))
+        log.write(f"{name}: offline, using the listing recorded {record.get('listed')}")
+    else:
+        endpoint = hubs.resolve_endpoint(spec.hub, ctx.option("endpoint"))
+        log.write(f"{name}: listing {spec.hub} {spec.repo_id}@{spec.revision} at {endpoint}")
+        listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision, spec.allow_patterns,
+                                  endpoint)
+        log.write(f"{name}: {len(listing.files)} files, {listing.total_bytes} B, "
+                  f"resolved {listing.resolved or '-'}, listing digest {listing.digest()}")
+    report.listing = listing
+    verified: dict[str, Any] = {} if repair or record is None else dict(record["verified"])
+    if record is not None and record["listing"].get("resolved") != listing.resolved:
+        verified = {}  # another commit: cached verdicts do not carry over
+
+    # 1. what is on disk already
+    to_check, to_fetch = [], []
+    for f in listing.files:
+        local = local_dir / f.path
+        try:
+            st = local.stat()
+        except FileNotFoundError:
+            to_fetch.append(f)
+            continue
+        if _still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
+            continue
+        if st.st_size != f.size:
+            log.write(f"{name}: {f.path}: size {st.st_size} B, listed {f.size} B; re-fetching")
+            report.refetched[f.path] = f"size {st.st_size} B, the hub lists {f.size} B"
+            hubs.forget_local_copy(listing.hub, local_dir, f.path)
+            to_fetch.append(f)
+        else:
+            to_check.append(f)
+    bad_before = _verify(ctx, name, local_dir, to_check, verified, report, log)
+    for f in bad_before:
+        report.refetched[f.path] = bad_before[f]
+        hubs.forget_local_copy(listing.hub, local_dir, f.path)
+        to_fetch.append(f)
+    report.extra = _extra_files(local_dir, listing)
+
+    # 2. fetch what is missing or was bad
+    if to_fetch and offline:
+        report.missing = sorted(f.path for f in to_fetch)
+        report.problems.append(Problem(
+            "error", f"{name}: {len(to_fetch)} file(s) missing or corrupt in {local_dir}: "
+            f"{_sample(report.missing)}",
+            fix=f"rerun `dsv4-offload download {name}` without --local-dir-only", check=name))
+    elif to_fetch:
+        need = sum(f.size for f in to_fetch)
+        short = _disk_shortfall(local_dir, need)
+        if short is not None:
+            report.missing = sorted(f.path for f in to_fetch)
+            report.problems.append(Problem(
+                "error", f"{name}: {need / GIB:.1f} GiB still to download but only "
+                f"{short / GIB:.1f} GiB free under {local_dir}",
+                fix="free space there, or point the workspace (--workspace DIR) or "
+                f"weights.{name}.dir at a bigger disk", check="disk"))
+        else:
+            _fetch(ctx, name, listing, to_fetch, local_dir, verified, report, log)
+    _write_record(record_path, listing, spec.allow_patterns, verified)
+    for path, why in report.bad.items():
+        report.problems.append(Problem(
+            "error", f"{name}: {local_dir / path}: {why} after download; removed",
+            fix=f"rerun `dsv4-offload download {name}` to fetch it again (if it keeps failing, "
+            "the hub or a proxy serves bad data: try another --endpoint)", check=name))
+    for path, why in report.refetched.items():
+        if path not in report.bad and path not in report.missing:
+            report.problems.append(Problem(
+                "info", f"{name}: {path} was corrupt on disk ({why}); fetched again",
+                check=name))
+    if report.extra:
+        report.problems.append(Problem(
+            "info", f"{name}: {len(report.extra)} local file(s) not in the hub listing: "
+            f"{_sample(report.extra)}", fix="leftovers of another revision can be deleted",
+            check=name))
+    return report
+
+
+def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[hubs.HubFile],
+           local_dir: Path, verified: dict[str, Any], report: SetReport,
+           log: DownloadLog) -> None:
+    need = sum(f.size for f in files)
+    log.write(f"{name}: fetching {len(files)} file(s), {need} B: "
+              f"{_sample([f.path for f in files])}")
+    workers = int(ctx.option("max_workers", 4))
+    with ctx.task(f"download {name}", total=need, unit="B") as task:
+        failures = hubs.fetch(listing, files, local_dir, ctx.workspace.hub_cache_dir,
+                              max_workers=workers, on_file_done=lambda f: task.advance(f.size))
+    for path, err in sorted(failures.items()):
+        log.write(f"{name}: {path}: download failed: {err}")
+        report.missing.append(path)
+    if failures:
+        report.problems.append(Problem(
+            "error", f"{name}: {len(failures)} file(s) failed to download: "
+            f"{_sample(sorted(failures))} ({next(iter(failures.values()))})",
+            fix=f"rerun `dsv4-offload download {name}`: finished files are kept and partial "
+            "ones resume", check=name))
+    done = [f for f in files if f.path not in failures]
+    report.fetched = sorted(f.path for f in done)
+    report.fetched_bytes = sum(f.size for f in done)
+    for f, why in _verify(ctx, name, local_dir, done, verified, report, log).items():
+        report.bad[f.path] = why
+        hubs.forget_local_copy(listing.hub, local_dir, f.path)
+
+
+def _verify(ctx: StageContext, name: str, local_dir: Path, files: list[hubs.HubFile],
+            verified: dict[str, Any], report: SetReport,
+            log: DownloadLog) -> dict[hubs.HubFile, str]:
+    """Hash ``files`` against the listing; record the good ones, return the bad ones."""
+    if not files:
+        return {}
+    bad: dict[hubs.HubFile, str] = {}
+    total = sum(f.size for f in files)
+    with ctx.task(f"verify {name}", total=total, unit="B") as task, \
+            ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
+        results = pool.map(lambda f: (f, hubs.check_content(local_dir / f.path, f, task.advance)),
+                           files)
+        for f, why in results:
+            report.hashed_bytes += f.size
+            if why is None:
+                st = (local_dir / f.path).stat()
+                verified[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
+                                    "sha256": f.sha256, "git_oid": f.git_oid}
+            else:
+                verified.pop(f.path, None)
+                bad[f] = why
+                log.write(f"{name}: {f.path}: {why}")
+    return bad
+
+
+def _still_verified(entry: Any, f: hubs.HubFile, size: int, mtime_ns: int) -> bool:
+    return (isinstance(entry, dict) and entry.get("size") == size == f.size
+            and entry.get("mtime_ns") == mtime_ns and entry.get("sha256") == f.sha256
+            and entry.get("git_oid") == f.git_oid)
+
+
+def _extra_files(local_dir: Path, listing: hubs.HubListing) -> list[str]:
+    if not local_dir.is_dir():
+        return []
+    listed = {f.path for f in listing.files}
+    extra = []
+    for p in local_dir.rglob("*"):
+        rel = p.relative_to(local_dir)
+        if p.is_file() and not any(part.startswith(".") for part in rel.parts) \
+                and rel.as_posix() not in listed:
+            extra.append(rel.as_posix())
+    return sorted(extra)
+
+
+def _disk_shortfall(local_dir: Path, need: int) -> int | None:
+    """Free bytes where ``local_dir`` lives, if fewer than ``need``; else None."""
+    probe = local_dir
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    return free if free < need else None
+
+
+def _sample(paths: list[str], limit: int = 3) -> str:
+    text = ", ".join(paths[:limit])
+    return text + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+# --- the per-set record --------------------------------------------------------------------
+
+
+def _read_record(path: Path, spec: Any) -> dict[str, Any] | None:
+    """The previous listing and verdicts, if they describe the same repo, revision, patterns."""
+    record = read_json(path, None)
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("listing"), dict) \
+            or not isinstance(record.get("verified"), dict):
+        raise InputError(f"{path}: not a weights record; delete it and rerun "
+                         "`dsv4-offload download` (files on disk are re-hashed, not re-fetched)")
+    same = (record["listing"].get("hub") == spec.hub
+            and record["listing"].get("repo_id") == spec.repo_id
+            and record.get("revision") == spec.revision
+            and record.get("allow_patterns") == list(spec.allow_patterns))
+    return record if same else None
+
+
+def _write_record(path: Path, listing: hubs.HubListing, allow_patterns: list[str],
+                  verified: dict[str, Any]) -> None:
+    atomic_write_json(path, {
+        "schema": RECORD_SCHEMA, "listed": now_iso(), "revision": listing.revision,
+        "allow_patterns": list(allow_patterns), "listing": listing.as_dict(),
+        "verified": verified,
+    })

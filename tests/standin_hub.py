@@ -1,0 +1,273 @@
+"""A stand-in model hub on 127.0.0.1 for the real `huggingface_hub` and `modelscope` clients.
+
+It speaks the few endpoints a snapshot download uses:
+
+Hugging Face
+- ``GET /api/models/{repo}/revision/{rev}``          repo info with the resolved commit sha
+- ``GET /api/models/{repo}/tree/{rev}[/{dir}]``       file listing (size, git oid, LFS sha256)
+- ``HEAD|GET /{repo}/resolve/{rev}/{file}``           file metadata headers / bytes (Range)
+
+ModelScope
+- ``GET /api/v1/models/{repo}/repo/files``            file listing (Path, Size, Sha256)
+- ``GET /api/v1/models/{repo}/repo?FilePath=...``     file bytes (Range)
+
+Every request is recorded so tests can count data requests. Files listed in
+``corrupt_served`` are served with one flipped byte (same size) to play a hub or proxy
+that hands out bad data; ``phantom`` adds listing entries that are never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, unquote, urlsplit
+
+# Files at or above this size are "LFS" files on the HF side (listing carries a sha256).
+LFS_THRESHOLD = 1024
+
+
+def git_blob_oid(data: bytes) -> str:
+    """The git blob id of ``data`` (what the Hub lists as ``oid`` for non-LFS files)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+@dataclass
+class HubRepo:
+    repo_id: str
+    files: dict[str, bytes]
+    commit: str = "0123456789abcdef0123456789abcdef01234567"
+    revisions: tuple[str, ...] = ("main", "master")
+    corrupt_served: set[str] = field(default_factory=set)
+    phantom: dict[str, int] = field(default_factory=dict)  # path -> claimed size, never served
+
+    def sha256(self, path: str) -> str:
+        return hashlib.sha256(self.files[path]).hexdigest()
+
+    def served_bytes(self, path: str) -> bytes:
+        data = self.files[path]
+        if path in self.corrupt_served and data:
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        return data
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    range: str | None
+
+
+class StandinHub:
+    """Start with ``with StandinHub(repos) as hub:``; ``hub.url`` is the endpoint."""
+
+    def __init__(self, repos: list[HubRepo]) -> None:
+        self.repos = {r.repo_id: r for r in repos}
+        self.requests: list[Request] = []
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> StandinHub:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def data_requests(self) -> list[Request]:
+        """Requests that fetch or probe file contents (not listings)."""
+        return [r for r in self.requests if "/resolve/" in r.path or "/repo?" in r.path]
+
+    def record(self, req: Request) -> None:
+        with self._lock:
+            self.requests.append(req)
+
+    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
+        hub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:  # keep pytest output clean
+                pass
+
+            def do_HEAD(self) -> None:
+                self._dispatch(head=True)
+
+            def do_GET(self) -> None:
+                self._dispatch(head=False)
+
+            # --- plumbing ---
+            def _send(self, status: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                if "Content-Length" not in headers:
+                    self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if not head:
+                    self.wfile.write(body)
+
+            def _json(self, value: object, head: bool = False, status: int = 200,
+                      extra: dict[str, str] | None = None) -> None:
+                body = json.dumps(value).encode()
+                self._send(status, body, {"Content-Type": "application/json", **(extra or {})},
+                           head)
+
+            def _not_found(self, head: bool, what: str,
+                           extra: dict[str, str] | None = None) -> None:
+                headers = {"X-Error-Code": "EntryNotFound", "X-Error-Message": what,
+                           **(extra or {})}
+                self._json({"error": what}, head, 404, headers)
+
+            def _repo(self, repo_id: str) -> HubRepo | None:
+                return hub.repos.get(repo_id)
+
+            def _dispatch(self, head: bool) -> None:
+                split = urlsplit(self.path)
+                path = unquote(split.path)
+                hub.record(Request(self.command, self.path, self.headers.get("Range")))
+                query = {k: v[0] for k, v in parse_qs(split.query).items()}
+                if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/(.+)", path):
+                    return self._hf_revision(m[1], m[2], head)
+                if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path):
+                    return self._hf_tree(m[1], m[2], (m[3] or "").strip("/"), head)
+                if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+                    return self._hf_resolve(m[1], m[2], m[3], head)
+                if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo/files", path):
+                    return self._ms_files(m[1], query, head)
+                if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo", path):
+                    return self._ms_file(m[1], query, head)
+                if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)", path):
+                    repo = self._repo(m[1])
+                    if repo is None:
+                        return self._json({"Code": 10010205001, "Message": "not found"}, head, 404)
+                    return self._json({"Code": 200, "Data": {"Path": repo.repo_id.split("/")[0],
+                                                            "Name": repo.repo_id.split("/")[1]}},
+                                      head)
+                self._not_found(head, f"no route for {path}")
+
+            # --- Hugging Face ---
+            def _hf_revision(self, repo_id: str, rev: str, head: bool) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return self._json({"error": "Repository not found"}, head, 404,
+                                      {"X-Error-Code": "RepoNotFound"})
+                if rev not in repo.revisions and rev != repo.commit:
+                    return self._json({"error": "Revision not found"}, head, 404,
+                                      {"X-Error-Code": "RevisionNotFound"})
+                siblings = [{"rfilename": p} for p in sorted(repo.files)]
+                self._json({"id": repo_id, "modelId": repo_id, "sha": repo.commit,
+                            "private": False, "siblings": siblings}, head)
+
+            def _hf_tree(self, repo_id: str, rev: str, sub: str, head: bool) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return self._json({"error": "Repository not found"}, head, 404,
+                                      {"X-Error-Code": "RepoNotFound"})
+                entries = []
+                for p, data in sorted(repo.files.items()):
+                    if sub and not p.startswith(sub + "/"):
+                        continue
+                    entry: dict[str, object] = {"type": "file", "path": p, "size": len(data),
+                                                "oid": git_blob_oid(data)}
+                    if len(data) >= LFS_THRESHOLD:
+                        entry["lfs"] = {"oid": repo.sha256(p), "size": len(data),
+                                        "pointerSize": 134}
+                    entries.append(entry)
+                for p, size in sorted(repo.phantom.items()):
+                    entries.append({"type": "file", "path": p, "size": size, "oid": "0" * 40,
+                                    "lfs": {"oid": "0" * 64, "size": size, "pointerSize": 134}})
+                self._json(entries, head)
+
+            def _hf_resolve(self, repo_id: str, rev: str, fname: str, head: bool) -> None:
+                repo = self._repo(repo_id)
+                if repo is None or fname not in repo.files:
+                    return self._not_found(head, f"{fname} not found",
+                                           {"X-Repo-Commit": repo.commit} if repo else None)
+                data = repo.served_bytes(fname)
+                true = repo.files[fname]
+                etag = repo.sha256(fname) if len(true) >= LFS_THRESHOLD else git_blob_oid(true)
+                headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"',
+                           "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
+                self._ranged(data, headers, head)
+
+            # --- ModelScope ---
+            def _ms_files(self, repo_id: str, query: dict[str, str], head: bool) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return self._json({"Code": 10010205001, "Message": "model not found",
+                                       "Success": False}, head, 404)
+                files = []
+                for p, data in sorted(repo.files.items()):
+                    files.append({"Path": p, "Name": p.rsplit("/", 1)[-1], "Type": "blob",
+                                  "Size": len(data), "Sha256": repo.sha256(p),
+                                  "Revision": repo.commit})
+                for p, size in sorted(repo.phantom.items()):
+                    files.append({"Path": p, "Name": p, "Type": "blob", "Size": size,
+                                  "Sha256": "0" * 64, "Revision": repo.commit})
+                self._json({"Code": 200, "Success": True, "Data": {"Files": files}}, head)
+
+            def _ms_file(self, repo_id: str, query: dict[str, str], head: bool) -> None:
+                repo = self._repo(repo_id)
+                fname = query.get("FilePath", "")
+                if repo is None or fname not in repo.files:
+                    return self._json({"Code": 10010205001, "Message": "file not found"}, head, 404)
+                self._ranged(repo.served_bytes(fname),
+                             {"Content-Type": "application/octet-stream",
+                              "Accept-Ranges": "bytes"}, head)
+
+            def _ranged(self, data: bytes, headers: dict[str, str], head: bool) -> None:
+                rng = self.headers.get("Range")
+                m = re.fullmatch(r"bytes=(\d+)-(\d*)", rng or "")
+                if m:
+                    start = int(m[1])
+                    end = int(m[2]) if m[2] else len(data) - 1
+                    if start >= len(data):
+                        return self._send(416, b"", {**headers,
+                                                     "Content-Range": f"bytes */{len(data)}"},
+                                          head)
+                    end = min(end, len(data) - 1)
+                    part = data[start:end + 1]
+                    return self._send(206, part, {
+                        **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"}, head)
+                self._send(200, data, headers, head)
+
+        return Handler
+
+
+def tiny_model_repo(repo_id: str, *, commit: str | None = None) -> HubRepo:
+    """A small repo shaped like a model: config, a safetensors shard and a tokenizer."""
+    import struct
+
+    header = {"w": {"dtype": "I8", "shape": [64, 32], "data_offsets": [0, 2048]}}
+    blob = json.dumps(header).encode()
+    blob += b" " * (-len(blob) % 8)
+    tensor = bytes(range(256)) * 8
+    safetensors = struct.pack("<Q", len(blob)) + blob + tensor
+    files = {
+        "config.json": json.dumps({"model_type": "deepseek_v4", "num_hidden_layers": 2}).encode(),
+        "model-00001-of-00001.safetensors": safetensors,
+        "model.safetensors.index.json": json.dumps(
+            {"metadata": {}, "weight_map": {"w": "model-00001-of-00001.safetensors"}}).encode(),
+        "tokenizer.json": json.dumps({"version": "1.0", "model": {"vocab": {"a": 0}}}).encode()
+        * 40,
+    }
+    repo = HubRepo(repo_id, files)
+    if commit:
+        repo.commit = commit
+    return repo

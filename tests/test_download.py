@@ -1,0 +1,200 @@
+"""The download stage against a stand-in hub on 127.0.0.1, through the real hub clients."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import pytest
+from standin_hub import StandinHub, tiny_model_repo
+
+from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.recipe import load_recipe_and_series
+from dsv4_offload.stage import StageContext, Status
+from dsv4_offload.stages import download
+from dsv4_offload.workspace import Workspace
+
+W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
+MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
+SHARD = "model-00001-of-00001.safetensors"
+
+
+@pytest.fixture(autouse=True)
+def _client_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the clients keep tokens and caches under these; keep them inside the test's tmp dir
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
+    for var in ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def hub():  # type: ignore[no-untyped-def]
+    repos = [tiny_model_repo(W8A8_REPO, commit="a" * 40), tiny_model_repo(MXFP4_REPO)]
+    with StandinHub(repos) as h:
+        yield h
+
+
+def make_ctx(root: Path, **options: object) -> StageContext:
+    recipe, series = load_recipe_and_series(None)
+    return StageContext(recipe=recipe, series=series, workspace=Workspace(root),
+                        options=dict(options), stage="download")
+
+
+def weights(ctx: StageContext, which: str) -> Path:
+    return ctx.workspace.weights_dir(ctx.recipe, which)
+
+
+def test_download_both_sets_then_rerun_makes_no_data_request(tmp_path: Path, hub: StandinHub
+                                                             ) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url)
+    result = download.run(ctx)
+    assert result.status is Status.OK, result.problems
+    repo = hub.repos[MXFP4_REPO]
+    for which, name in (("mxfp4", MXFP4_REPO), ("w8a8", W8A8_REPO)):
+        for path, data in hub.repos[name].files.items():
+            assert (weights(ctx, which) / path).read_bytes() == data
+    assert result.outputs["mxfp4"]["resolved"] == repo.commit
+    assert result.outputs["mxfp4"]["files"] == 4
+    assert result.outputs["w8a8"]["hub"] == "modelscope"
+    assert len(hub.data_requests()) > 0
+
+    hub.requests.clear()
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert again.status is Status.OK
+    assert hub.data_requests() == []
+    assert again.data["mxfp4"]["hashed_bytes"] == 0
+    assert again.data["w8a8"]["fetched"] == []
+    assert again.outputs == result.outputs  # stable: convert's fingerprint depends on it
+
+
+def test_corrupted_local_file_is_named_and_fetched_again(tmp_path: Path, hub: StandinHub
+                                                         ) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url)
+    assert download.run(ctx).ok
+    shard = weights(ctx, "mxfp4") / SHARD
+    blob = bytearray(shard.read_bytes())
+    blob[-1] ^= 0x01  # same size, one bit off: only a hash can tell
+    shard.write_bytes(bytes(blob))
+    hub.requests.clear()
+
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK
+    assert SHARD in result.data["mxfp4"]["refetched_corrupt"]
+    assert "sha256" in result.data["mxfp4"]["refetched_corrupt"][SHARD]
+    assert any(SHARD in p.message and "corrupt" in p.message for p in result.problems)
+    assert shard.read_bytes() == hub.repos[MXFP4_REPO].files[SHARD]
+    fetched = {r.path.rsplit("/", 1)[-1] for r in hub.data_requests()}
+    assert fetched == {SHARD}
+
+
+def test_hub_serving_bad_bytes_fails_naming_the_file_and_next_run_repairs(
+        tmp_path: Path, hub: StandinHub) -> None:
+    hub.repos[MXFP4_REPO].corrupt_served.add(SHARD)
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
+    assert result.status is Status.FAILED
+    errors = [p for p in result.problems if p.severity == "error"]
+    assert len(errors) == 1 and SHARD in errors[0].message and "sha256" in errors[0].message
+    assert "rerun `dsv4-offload download mxfp4`" in errors[0].fix
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")
+    assert not (weights(ctx, "mxfp4") / SHARD).exists()  # never left looking complete
+
+    hub.repos[MXFP4_REPO].corrupt_served.clear()
+    hub.requests.clear()
+    fixed = download.run(ctx)
+    assert fixed.ok
+    assert fixed.data["mxfp4"]["fetched"] == [SHARD]
+
+
+def test_repair_rehashes_everything(tmp_path: Path, hub: StandinHub) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")
+    assert download.run(ctx).ok
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4", repair=True))
+    total = sum(len(d) for d in hub.repos[MXFP4_REPO].files.values())
+    assert again.data["mxfp4"]["hashed_bytes"] == total
+
+
+def test_unreachable_hub_is_one_clean_line(tmp_path: Path) -> None:
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = make_ctx(tmp_path, endpoint=f"http://127.0.0.1:{port}", which="mxfp4")
+    with pytest.raises(Dsv4Error) as err:
+        download.run(ctx)
+    line = err.value.one_line()
+    assert "\n" not in line
+    assert "cannot list deepseek-ai/DeepSeek-V4-Flash on huggingface" in line
+    assert "--local-dir-only" in line
+
+
+def test_not_enough_disk_fails_before_any_data_request(tmp_path: Path, hub: StandinHub) -> None:
+    hub.repos[MXFP4_REPO].phantom["model-00002-of-00002.safetensors"] = 1 << 60  # 1 EiB
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
+    assert result.status is Status.FAILED
+    disk = [p for p in result.problems if p.check == "disk"]
+    assert disk and "GiB still to download but only" in disk[0].message
+    assert hub.data_requests() == []
+
+
+def test_local_dir_only_checks_without_network(tmp_path: Path, hub: StandinHub) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")
+    no_record = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
+    assert no_record.status is Status.FAILED
+    assert "with network access" in no_record.problems[0].fix
+    assert download.run(ctx).ok
+    hub.stop()
+
+    offline = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
+    assert offline.ok
+    (weights(ctx, "mxfp4") / "tokenizer.json").unlink()
+    missing = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
+    assert missing.status is Status.FAILED
+    assert "tokenizer.json" in missing.problems[0].message
+
+
+def test_partial_file_resumes_with_a_range_request(tmp_path: Path, hub: StandinHub) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="w8a8")
+    data = hub.repos[W8A8_REPO].files[SHARD]
+    target = weights(ctx, "w8a8") / SHARD
+    target.parent.mkdir(parents=True)
+    # modelscope's client keeps the partial beside the target as <name>.incomplete
+    target.with_name(SHARD + ".incomplete").write_bytes(data[:1000])
+    result = download.run(ctx)
+    assert result.ok, result.problems
+    assert target.read_bytes() == data
+    ranges = [r.range for r in hub.data_requests() if SHARD in r.path]
+    assert "bytes=1000-" in ranges
+
+
+def test_hf_endpoint_variable_is_honoured(tmp_path: Path, hub: StandinHub,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    result = download.run(make_ctx(tmp_path, which="mxfp4"))
+    assert result.ok
+    assert result.data["mxfp4"]["endpoint"] == hub.url
+
+
+def test_one_set_only_warns_about_the_other(tmp_path: Path, hub: StandinHub) -> None:
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
+    assert result.status is Status.WARN
+    assert any("w8a8" in p.message for p in result.problems)
+    assert set(result.outputs) == {"mxfp4"}
+
+
+def test_unknown_revision_and_set_are_input_errors(tmp_path: Path, hub: StandinHub) -> None:
+    recipe, series = load_recipe_and_series(None, ["weights.mxfp4.revision=nope"])
+    ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
+                       options={"endpoint": hub.url, "which": "mxfp4"}, stage="download")
+    with pytest.raises(InputError, match="no revision 'nope'"):
+        download.run(ctx)
+    with pytest.raises(InputError, match="unknown weight set 'fp8'"):
+        download.run(make_ctx(tmp_path, endpoint=hub.url, which="fp8"))
+
+
+def test_record_is_valid_json_listing(tmp_path: Path, hub: StandinHub) -> None:
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")
+    assert download.run(ctx).ok
+    record = json.loads(ctx.workspace.weights_record("mxfp4").read_text())
+    assert record["listing"]["resolved"] == hub.repos[MXFP4_REPO].commit
+    assert set(record["verified"]) == set(hub.repos[MXFP4_REPO].files)
