@@ -50,3 +50,29 @@ def fake_stages_env() -> dict[str, str]:
     """Environment selecting the instrumented stage package for pipeline tests."""
     path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_git_config(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A private global git config: an identity for test commits, file:// allowed.
+
+    CI runs as root on a clean machine with no ~/.gitconfig; the user's own config must
+    not leak into the tests either.
+    """
+    path = tmp_path_factory.mktemp("gitconfig") / "gitconfig"
+    path.write_text(
+        "[user]\n\tname = dsv4 test\n\temail = dsv4-test@localhost\n"
+        "[init]\n\tdefaultBranch = main\n"
+        "[protocol \"file\"]\n\tallow = always\n"
+        "[safe]\n\tdirectory = *\n"
+        "[advice]\n\tdetachedHead = false\n"
+    )
+    old = {k: os.environ.get(k) for k in ("GIT_CONFIG_GLOBAL", "GIT_CONFIG_NOSYSTEM")}
+    os.environ["GIT_CONFIG_GLOBAL"] = str(path)
+    os.environ["GIT_CONFIG_NOSYSTEM"] = "1"
+    yield path
+    for key, value in old.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

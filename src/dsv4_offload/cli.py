@@ -63,7 +63,8 @@ def main_options(
         None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b)."
     ),
     overrides: list[str] = typer.Option(
-        [], "--set", metavar="KEY=VALUE", help="Override a recipe field: dotted.key=value (repeatable)."
+        [], "--set", metavar="KEY=VALUE",
+        help="Override a recipe field: dotted.key=value (repeatable).",
     ),
     json_out: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More detail."),
@@ -83,9 +84,11 @@ def run(
     ctx: typer.Context,
     start: str | None = typer.Option(None, "--from", help="First stage to consider."),
     stop: str | None = typer.Option(None, "--to", help="Last stage to consider."),
-    force: list[str] = typer.Option([], "--force", metavar="STAGE", help="Rerun this stage even if done."),
+    force: list[str] = typer.Option([], "--force", metavar="STAGE",
+                                    help="Rerun this stage even if done."),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
-    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help="NAME=URL tried first when fetching."),
+    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL",
+                                     help="A mirror for source NAME, tried first."),
     device: int | None = typer.Option(None, "--device", help="NPU id to serve on."),
 ) -> None:
     """Run the pipeline, resuming where it stopped.

@@ -195,7 +195,8 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
     changed = changed_inputs(record.get("fingerprint", {}), current)
     if changed:
         base.state = "stale"
-        shown = ", ".join(changed[:3]) + (f" (+{len(changed) - 3} more)" if len(changed) > 3 else "")
+        more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
+        shown = ", ".join(changed[:3]) + more
         base.reason = f"changed: {shown}"
     return base
 

@@ -419,7 +419,8 @@ class Recipe(Strict):
         for s in self.sources:
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
-        if self.conversion.digests_manifest and self.conversion.digests_manifest.source not in names:
+        manifest = self.conversion.digests_manifest
+        if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")
         return self
 
@@ -483,7 +484,9 @@ def _line_of(doc: Any, loc: tuple[Any, ...]) -> int | None:
             line = node.lines.get(part, line)
             parent, parent_key, node = node, part, node[part]
         elif isinstance(node, list) and isinstance(part, int) and part < len(node):
-            items = parent.lines.get((parent_key, "items")) if isinstance(parent, _Located) else None
+            items = None
+            if isinstance(parent, _Located):
+                items = parent.lines.get((parent_key, "items"))
             if items:
                 line = items[part]
             parent, parent_key, node = None, None, node[part]
@@ -533,18 +536,21 @@ def _read_yaml(path: Path) -> Any:
     try:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise InputError(f"{path}: file not found; give a bundled name or an existing file")
+        raise InputError(
+            f"{path}: file not found; give a bundled name or an existing file"
+        ) from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"{path}: cannot read ({exc}); give a readable UTF-8 YAML file")
+        raise InputError(f"{path}: cannot read ({exc}); give a readable UTF-8 YAML file") from None
     try:
         doc = yaml.load(text, Loader=_LineLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"{path}{line}: invalid YAML: {problem}; fix the syntax")
+        raise InputError(f"{path}{line}: invalid YAML: {problem}; fix the syntax") from None
     if not isinstance(doc, dict):
-        raise InputError(f"{path}: the document must be a mapping of keys, not {type(doc).__name__}")
+        kind = type(doc).__name__
+        raise InputError(f"{path}: the document must be a mapping of keys, not {kind}")
     return doc
 
 
