@@ -1,0 +1,390 @@
+"""The native MXFP4 checkpoint: config.json, the safetensors index, shards and expert tensors.
+
+Everything is validated before a byte is converted: a missing index, shard or tensor, a
+wrong dtype or shape, a truncated shard or a config that disagrees with the tensors each
+raise one InputError line naming the file, the tensor and the fix.
+
+safetensors headers are parsed here rather than through the `safetensors` package: its
+numpy backend cannot represent F8_E8M0 (the scales), and the converter needs each
+tensor's byte range to read it with one pread into a reused buffer (no mmap, so the
+source pages never count in our RSS).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dsv4_offload import mxfp4
+from dsv4_offload.errors import InputError
+
+INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
+WEIGHT_DTYPE = "I8"  # two E2M1 codes per byte, consecutive order
+SCALE_DTYPE = "F8_E8M0"
+DTYPE_BYTES = {"I8": 1, "U8": 1, "F8_E8M0": 1, "F8_E4M3": 1, "BF16": 2, "F16": 2, "F32": 4,
+               "I32": 4, "I64": 8, "F64": 8, "BOOL": 1, "I16": 2, "U16": 2}
+# (checkpoint projection, GGUF tensor role), in the order the GGUF file stores them
+PROJECTIONS: tuple[tuple[str, str], ...] = (("w1", "gate"), ("w3", "up"), ("w2", "down"))
+CONFIG_KEYS = {
+    "layers": "num_hidden_layers",
+    "experts": "n_routed_experts",
+    "experts_per_token": "num_experts_per_tok",
+    "hidden": "hidden_size",
+    "intermediate": "moe_intermediate_size",
+}
+REFETCH = "rerun `dsv4-offload download mxfp4` (it resumes and re-checks sizes)"
+_EXPERT_KEY = re.compile(
+    r"^(model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$"
+)
+
+
+@dataclass(frozen=True)
+class MoeDims:
+    """The MoE dimensions a conversion needs, as config.json states them."""
+
+    layers: int
+    experts: int
+    experts_per_token: int
+    hidden: int
+    intermediate: int
+
+    def projection_shape(self, projection: str) -> tuple[int, int]:
+        """(N rows, K reduce dim) of one expert projection."""
+        if projection == "w2":
+            return self.hidden, self.intermediate
+        return self.intermediate, self.hidden
+
+    def as_dict(self) -> dict[str, int]:
+        return {k: getattr(self, k) for k in CONFIG_KEYS}
+
+
+def expert_key(layer: int, expert: int, projection: str, kind: str, prefix: str = "") -> str:
+    return f"{prefix}layers.{layer}.ffn.experts.{expert}.{projection}.{kind}"
+
+
+def expected_expert_tensor(dims: MoeDims, projection: str, kind: str
+                           ) -> tuple[str, tuple[int, int]]:
+    """(dtype, shape) the checkpoint must hold for one expert tensor."""
+    n, k = dims.projection_shape(projection)
+    if kind == "weight":
+        return WEIGHT_DTYPE, (n, k // 2)
+    return SCALE_DTYPE, (n, k // mxfp4.BLOCK_ELEMENTS)
+
+
+def parse_config(path: Path) -> MoeDims:
+    """MoeDims from a config.json; each missing or malformed field is one clear error."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError(
+            f"{path}: missing; the MXFP4 checkpoint is incomplete: {REFETCH}"
+        ) from None
+    except (OSError, ValueError) as exc:
+        raise InputError(f"{path}: not valid JSON ({exc}); {REFETCH}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: expected a JSON object; {REFETCH}")
+    values: dict[str, int] = {}
+    for attr, key in CONFIG_KEYS.items():
+        value = doc.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise InputError(
+                f"{path}: field '{key}' is {value!r}, expected a positive integer; {REFETCH}"
+            )
+        values[attr] = value
+    dims = MoeDims(**values)
+    for what, k in (("hidden_size", dims.hidden), ("moe_intermediate_size", dims.intermediate)):
+        if k % mxfp4.BLOCK_ELEMENTS:
+            raise InputError(
+                f"{path}: field '{what}' = {k} is not a multiple of {mxfp4.BLOCK_ELEMENTS} "
+                "(the MXFP4 block); this is not an MXFP4 checkpoint"
+            )
+    return dims
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a shard: where its bytes are."""
+
+    name: str
+    shard: Path
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # absolute, in the shard file
+    nbytes: int
+
+
+def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
+    """The tensors of one shard, checked against the file's size (catches truncation)."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise InputError(f"{path}: truncated ({size} B, no safetensors header); {REFETCH}")
+            (header_len,) = struct.unpack("<Q", head)
+            if header_len > min(size - 8, 100 * 2**20):
+                raise InputError(
+                    f"{path}: header length {header_len} B does not fit the {size} B file; "
+                    f"the shard is truncated or not safetensors; {REFETCH}"
+                )
+            raw = fh.read(header_len)
+    except FileNotFoundError:
+        raise InputError(f"{path}: shard missing (listed in {INDEX_FILE}); {REFETCH}") from None
+    except OSError as exc:
+        raise InputError(f"{path}: unreadable ({exc.strerror}); check permissions") from None
+    try:
+        doc = json.loads(raw)
+    except ValueError as exc:
+        raise InputError(f"{path}: safetensors header is not JSON ({exc}); {REFETCH}") from None
+    base = 8 + header_len
+    entries: dict[str, TensorEntry] = {}
+    for name, info in doc.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = str(info["dtype"])
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise InputError(f"{path}: header entry '{name}' is malformed; {REFETCH}") from None
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if dtype in DTYPE_BYTES and end - start != count * DTYPE_BYTES[dtype]:
+            raise InputError(
+                f"{path}: '{name}' spans {end - start} B but {dtype}{list(shape)} needs "
+                f"{count * DTYPE_BYTES[dtype]} B; {REFETCH}"
+            )
+        if base + end > size:
+            raise InputError(
+                f"{path}: truncated: {size} B on disk but '{name}' ends at byte {base + end}; "
+                f"{REFETCH}"
+            )
+        entries[name] = TensorEntry(name, path, dtype, shape, base + start, end - start)
+    return entries
+
+
+@dataclass
+class Checkpoint:
+    """An opened checkpoint directory: config dims, index and lazily read shard headers."""
+
+    root: Path
+    dims: MoeDims
+    weight_map: dict[str, str]
+    prefix: str = ""
+    _headers: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
+    _fds: dict[Path, int] = field(default_factory=dict)
+
+    @classmethod
+    def open(cls, root: Path) -> Checkpoint:
+        root = Path(root)
+        if not root.is_dir():
+            raise InputError(
+                f"{root}: the MXFP4 checkpoint directory does not exist; run "
+                "`dsv4-offload download mxfp4` or pass --source DIR"
+            )
+        dims = parse_config(root / CONFIG_FILE)
+        index_path = root / INDEX_FILE
+        try:
+            doc = json.loads(index_path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            raise InputError(f"{index_path}: missing; {REFETCH}") from None
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{index_path}: not valid JSON ({exc}); {REFETCH}") from None
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise InputError(f"{index_path}: field 'weight_map' is missing or empty; {REFETCH}")
+        prefix = "model." if any(k.startswith("model.layers.") for k in weight_map) else ""
+        return cls(root, dims, {str(k): str(v) for k, v in weight_map.items()}, prefix)
+
+    def experts_in_index(self, layer: int) -> set[int]:
+        found = set()
+        for key in self.weight_map:
+            m = _EXPERT_KEY.match(key)
+            if m and int(m.group(2)) == layer:
+                found.add(int(m.group(3)))
+        return found
+
+    def _entry(self, name: str) -> TensorEntry:
+        shard_name = self.weight_map.get(name)
+        if shard_name is None:
+            raise InputError(
+                f"{self.root / INDEX_FILE}: tensor '{name}' is not in the weight_map; the "
+                f"checkpoint is incomplete or not the native MXFP4 one; {REFETCH}"
+            )
+        if shard_name not in self._headers:
+            self._headers[shard_name] = read_safetensors_header(self.root / shard_name)
+        entry = self._headers[shard_name].get(name)
+        if entry is None:
+            raise InputError(
+                f"{self.root / shard_name}: tensor '{name}' is listed in the index but absent "
+                f"from the shard; {REFETCH}"
+            )
+        return entry
+
+    def expert_tensor(self, layer: int, expert: int, projection: str, kind: str) -> TensorEntry:
+        """The entry of one expert tensor, checked for dtype and shape against config.json."""
+        name = expert_key(layer, expert, projection, kind, self.prefix)
+        entry = self._entry(name)
+        dtype, shape = expected_expert_tensor(self.dims, projection, kind)
+        if entry.dtype != dtype:
+            raise InputError(
+                f"{entry.shard}: '{name}' has dtype {entry.dtype}, expected {dtype}; this is "
+                "not the native MXFP4 checkpoint (check weights.mxfp4.repo_id in the recipe)"
+            )
+        if entry.shape != shape:
+            d = self.dims
+            raise InputError(
+                f"{entry.shard}: '{name}' has shape {list(entry.shape)} but {CONFIG_FILE} "
+                f"(hidden_size {d.hidden}, moe_intermediate_size {d.intermediate}) implies "
+                f"{list(shape)}; config and tensors disagree: {REFETCH}"
+            )
+        return entry
+
+    def layer_tensors(self, layer: int) -> list[tuple[str, list[tuple[TensorEntry, TensorEntry]]]]:
+        """Every (weight, scale) entry of a layer, per projection in GGUF order; validated."""
+        if not 0 <= layer < self.dims.layers:
+            raise InputError(
+                f"layer {layer} is outside 0..{self.dims.layers - 1} "
+                f"({self.root / CONFIG_FILE} num_hidden_layers); pick --layers in that range"
+            )
+        present = self.experts_in_index(layer)
+        extra = sorted(e for e in present if e >= self.dims.experts)
+        if extra:
+            raise InputError(
+                f"{self.root / INDEX_FILE}: layer {layer} has expert {extra[0]} but "
+                f"{CONFIG_FILE} says n_routed_experts {self.dims.experts}; config and tensors "
+                f"disagree: {REFETCH}"
+            )
+        return [
+            (projection, [(self.expert_tensor(layer, e, projection, "weight"),
+                           self.expert_tensor(layer, e, projection, "scale"))
+                          for e in range(self.dims.experts)])
+            for projection, _role in PROJECTIONS
+        ]
+
+    def read_into(self, entry: TensorEntry, out: np.ndarray) -> np.ndarray:
+        """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
+        fd = self._fds.get(entry.shard)
+        if fd is None:
+            fd = self._fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
+        view = memoryview(out.reshape(-1))[: entry.nbytes]
+        done = 0
+        while done < entry.nbytes:
+            n = os.preadv(fd, [view[done:]], entry.offset + done)
+            if n == 0:
+                raise InputError(
+                    f"{entry.shard}: truncated while reading '{entry.name}' (shrank during the "
+                    f"conversion?); {REFETCH}"
+                )
+            done += n
+        return out.reshape(-1)[: entry.nbytes]
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# --- synthetic checkpoints (tests and the benchmark) ---------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """A tensor to write: its bytes come from `data()` only when written (streaming)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: Callable[[], bytes]
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_BYTES[self.dtype]
+
+
+def write_safetensors(path: Path, tensors: Iterable[TensorSpec]) -> None:
+    """Write a safetensors file tensor by tensor (memory stays at one tensor)."""
+    specs = list(tensors)
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        header[spec.name] = {"dtype": spec.dtype, "shape": list(spec.shape),
+                             "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for spec in specs:
+            blob = spec.data()
+            if len(blob) != spec.nbytes:
+                raise ValueError(f"{spec.name}: data is {len(blob)} B, expected {spec.nbytes}")
+            fh.write(blob)
+    os.replace(tmp, path)
+
+
+def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterator[TensorSpec]:
+    """A layer's expert tensors with the real names, dtypes and shapes and random content.
+
+    Codes cover all 256 byte values; exponents are drawn around 2^0 with a few extremes, so
+    every E2M1 code and a wide range of scales is exercised. Deterministic for (seed, layer).
+    """
+    yield TensorSpec(f"layers.{layer}.ffn_norm.weight", "F32", (dims.hidden,),
+                     lambda: np.ones(dims.hidden, np.float32).tobytes())
+    for expert in range(dims.experts):
+        for projection, _role in PROJECTIONS:
+            rng_seed = (seed, layer, expert, int(projection[1]))
+            for kind in ("weight", "scale"):
+                dtype, shape = expected_expert_tensor(dims, projection, kind)
+                yield TensorSpec(expert_key(layer, expert, projection, kind), dtype, shape,
+                                 _random_bytes(rng_seed, kind, shape))
+
+
+def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int]) -> Callable[[], bytes]:
+    def make() -> bytes:
+        rng = np.random.default_rng(list(seed) + [kind == "scale"])
+        n = shape[0] * shape[1]
+        if kind == "weight":
+            return rng.bytes(n)
+        exps = rng.integers(112, 143, n, dtype=np.uint8)
+        exps[rng.integers(0, n, max(1, n // 512))] = rng.choice([0, 1, 2, 200, 250], 1)[0]
+        return exps.tobytes()
+    return make
+
+
+def write_synthetic_checkpoint(root: Path, dims: MoeDims, seed: int = 0,
+                               layers: Iterable[int] | None = None) -> Path:
+    """A native-layout MXFP4 checkpoint (config, index, one shard per layer) under `root`."""
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    todo = list(range(dims.layers) if layers is None else layers)
+    weight_map: dict[str, str] = {}
+    for i, layer in enumerate(todo):
+        shard = f"model-{i + 1:05d}-of-{len(todo):05d}.safetensors"
+        specs = list(synthetic_layer_tensors(dims, layer, seed))
+        write_safetensors(root / shard, specs)
+        weight_map.update({s.name: shard for s in specs})
+    config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",
+              "expert_dtype": "fp4", "n_shared_experts": 1, "vocab_size": 129280}
+    config.update({key: getattr(dims, attr) for attr, key in CONFIG_KEYS.items()})
+    (root / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    index = {"metadata": {"total_size": sum(
+        (root / s).stat().st_size for s in set(weight_map.values()))}, "weight_map": weight_map}
+    (root / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return root
