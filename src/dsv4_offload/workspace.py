@@ -95,6 +95,10 @@ class Workspace:
     def reports_dir(self) -> Path:
         return self.root / "reports"
 
+    def report_file(self, stage: str) -> Path:
+        """A stage's JSON report, e.g. reports/doctor.json."""
+        return self.reports_dir / f"{stage}.json"
+
     @property
     def run_dir(self) -> Path:
         """Pid files and sockets of the supervised server."""

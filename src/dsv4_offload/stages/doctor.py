@@ -1,0 +1,438 @@
+"""The `doctor` stage: check this host against the recipe's `host` section.
+
+Every check is a row (name, status ok/warn/fail/skip, observed, required, fix). A failed
+row fails the stage (the CLI exits 1); warnings leave it usable. The report also goes to
+``<workspace>/reports/doctor.json`` and the host facts into the stage outputs (provenance).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from dsv4_offload.host import (
+    HostFacts,
+    NpuInfo,
+    choose_npu,
+    npu_is_idle,
+    npu_model_matches,
+    parse_cpulist,
+    probe_host,
+    version_at_least,
+    visible_device,
+)
+from dsv4_offload.recipe import Recipe
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.workspace import atomic_write_json, now_iso
+
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+GIB = 1024**3
+KIB_PER_GIB = 1024**2
+
+# cpuinfo flag -> the kt-kernel build switch that must stay OFF when the CPU has it
+BUILD_SWITCH_FOR_FLAG = {
+    "sve": "CPUINFER_ARM_SVE",
+    "bf16": "CPUINFER_ARM_BF16",
+    "i8mm": "CPUINFER_ARM_I8MM",
+}
+TOOL_FIXES = {
+    "git": "apt-get install git (yum install git)",
+    "cmake": "apt-get install cmake, or `python3.11 -m pip install cmake` for a newer one",
+    "gcc": "apt-get install gcc g++ (yum install gcc gcc-c++)",
+    "docker": "install Docker Engine (apt-get install docker.io) and add your user to the "
+              "docker group",
+}
+LIBRARY_FIXES = {
+    "hwloc": "apt-get install libhwloc-dev (yum install hwloc-devel); kt-kernel links hwloc "
+             "and the 910B sglang image ships none",
+    "numa": "apt-get install libnuma-dev (yum install numactl-devel)",
+}
+DRIVER_FIX = (
+    "install the Ascend NPU driver and firmware for this card so `npu-smi info` works; in a "
+    "container add --device /dev/davinciN --device /dev/davinci_manager --device /dev/devmm_svm "
+    "--device /dev/hisi_hdc and mount /usr/local/Ascend/driver and /usr/local/sbin/npu-smi"
+)
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    observed: str
+    required: str
+    fix: str = ""
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+def _gib(n_bytes: float) -> str:
+    return f"{n_bytes / GIB:,.0f} GiB"
+
+
+def _device_option(ctx: StageContext) -> int | None:
+    value = ctx.option("device")
+    if value is None:
+        return visible_device(os.environ)
+    return int(value)
+
+
+def probe(ctx: StageContext) -> HostFacts:
+    """Host facts with the extra probes this recipe needs (its compilers and python)."""
+    recipe = ctx.recipe
+    tools = [t for t in (recipe.platform.cc, recipe.platform.cxx) if t]
+    tools += [t for t in recipe.host.tools if t not in ("gcc", "g++")]
+    return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.python],
+                      device_nodes=recipe.host.npu_device_nodes)
+
+
+# --- checks, one function per area ----------------------------------------------------------
+
+
+def check_cpu(recipe: Recipe, facts: HostFacts) -> list[Check]:
+    host = recipe.host
+    checks = []
+    arch_ok = facts.arch == host.arch
+    checks.append(Check(
+        "arch", OK if arch_ok else FAIL, f"{facts.arch} ({facts.cpu_model})", host.arch,
+        "" if arch_ok else (
+            f"run on the {host.arch} host that holds the NPU (e.g. Kunpeng-920): kt-kernel's "
+            "MXFP4 MoE kernel is NEON + SDOT code; this machine can still run `patch check` "
+            "and `convert`"),
+    ))
+    missing = [f for f in host.cpu_flags_required if f not in facts.cpu_flags]
+    checks.append(Check(
+        "cpu-flags", FAIL if missing else OK,
+        f"missing {', '.join(missing)}" if missing else ", ".join(host.cpu_flags_required),
+        "CPU flags " + ", ".join(host.cpu_flags_required),
+        "" if not missing else (
+            "use an ARMv8.2-A CPU with NEON and dotprod (asimddp in /proc/cpuinfo, e.g. "
+            "Kunpeng-920); without dotprod the SDOT kernel dies with SIGILL"),
+    ))
+    present = [f for f in host.cpu_flags_build_off if f in facts.cpu_flags]
+    build_env = {k: v for step in recipe.build.steps for k, v in step.env.items()}
+    not_off = [BUILD_SWITCH_FOR_FLAG[f] for f in present
+               if f in BUILD_SWITCH_FOR_FLAG and build_env.get(BUILD_SWITCH_FOR_FLAG[f]) != "OFF"]
+    if not present:
+        checks.append(Check("cpu-build-off", OK, "none of " + ", ".join(
+            host.cpu_flags_build_off), "kept out of the kt-kernel build"))
+    elif not_off:
+        checks.append(Check(
+            "cpu-build-off", FAIL, f"CPU has {', '.join(present)}; build env leaves "
+            f"{', '.join(not_off)} unset", "each of them OFF in the kt-kernel build",
+            "set " + ", ".join(f"build.steps[kt-kernel].env.{s}: \"OFF\"" for s in not_off)
+            + " in the recipe: with SVE compiled in the MoE fails with `llamafile not supported`",
+        ))
+    else:
+        checks.append(Check(
+            "cpu-build-off", WARN, f"CPU has {', '.join(present)}",
+            "kept out of the kt-kernel build",
+            "nothing to do while the recipe's kt-kernel build keeps "
+            + ", ".join(BUILD_SWITCH_FOR_FLAG[f] for f in present if f in BUILD_SWITCH_FOR_FLAG)
+            + "=OFF (it does); a build with SVE on fails at run time with "
+            "`llamafile not supported`",
+        ))
+    cores_ok = facts.cores >= host.min_cores
+    checks.append(Check(
+        "cores", OK if cores_ok else FAIL, str(facts.cores), f">= {host.min_cores} logical CPUs",
+        "" if cores_ok else "use a host with more cores: the CPU experts decode on "
+        f"{recipe.serve.threads_per_numa} threads per NUMA node",
+    ))
+    return checks
+
+
+def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
+    nodes = facts.numa_nodes
+    per_node = recipe.serve.threads_per_numa
+    required = (f"--kt-threadpool-count = nodes, --kt-cpuinfer {per_node} x nodes "
+                "<= logical CPUs")
+    if not nodes:
+        return Check("numa", WARN, "no /sys/devices/system/node/node*", required,
+                     "NUMA is not visible (container without /sys?): serve will use one "
+                     "threadpool; bind-mount /sys or run on the host to use every node")
+    sizes = {len(parse_cpulist(c)) for c in facts.numa_cpulists.values() if c}
+    observed = (f"{len(nodes)} nodes ({nodes[0]}-{nodes[-1]})" if len(nodes) > 1
+                else f"1 node ({nodes[0]})")
+    if len(sizes) == 1:
+        observed += f", {sizes.pop()} CPUs each"
+    threads = per_node * len(nodes)
+    if threads > facts.cores:
+        fitting = max(1, facts.cores // len(nodes))
+        return Check("numa", FAIL, observed + f"; {threads} threads > {facts.cores} CPUs",
+                     required, f"lower serve.threads_per_numa to {fitting} "
+                     f"(--set serve.threads_per_numa={fitting})")
+    if list(nodes) != list(range(len(nodes))):
+        return Check("numa", WARN, observed + " (ids not contiguous)", required,
+                     "kt-kernel numbers its threadpools 0..N-1: with holes in the node ids it "
+                     "stops with `NUMA node N not found`; check `numactl -H` and the BIOS "
+                     "NUMA settings")
+    return Check("numa", OK, observed + f"; serve: {len(nodes)} pools x {per_node} threads",
+                 required)
+
+
+def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
+    host = recipe.host
+    checks = []
+    need = f">= {host.memory_min_gib:g} GiB available ({host.memory_recommended_gib:g} " \
+           "recommended)"
+    if facts.mem_available_kib is None:
+        checks.append(Check("memory", FAIL, "no MemAvailable in /proc/meminfo", need,
+                            "run on a Linux host with a readable /proc/meminfo"))
+    else:
+        avail = facts.mem_available_kib / KIB_PER_GIB
+        total = (facts.mem_total_kib or 0) / KIB_PER_GIB
+        observed = f"{avail:,.0f} GiB available of {total:,.0f} GiB"
+        fix = ("stop other large memory users or use a host with more DRAM: the 43 MXFP4 GGUF "
+               "files (~138 GiB) stay in the page cache while serving")
+        status = FAIL if avail < host.memory_min_gib else (
+            WARN if avail < host.memory_recommended_gib else OK)
+        checks.append(Check("memory", status, observed, need, "" if status == OK else fix))
+    need = f">= {host.disk_min_gib:g} GiB free under the workspace " \
+           f"({host.disk_recommended_gib:g} recommended)"
+    if facts.disk_free_bytes is None:
+        checks.append(Check("disk", WARN, "unknown", need, "check `df -h` on the workspace"))
+    else:
+        free = facts.disk_free_bytes / GIB
+        status = FAIL if free < host.disk_min_gib else (
+            WARN if free < host.disk_recommended_gib else OK)
+        checks.append(Check(
+            "disk", status, f"{free:,.0f} GiB free", need, "" if status == OK else
+            "free space or point --workspace at a larger filesystem: weights, GGUF and the "
+            "conversion peak need ~560 GiB, serving keeps ~415 GiB",
+        ))
+    return checks
+
+
+def _npu_list(npus: list[NpuInfo]) -> str:
+    return ", ".join(str(n.device_id) for n in npus) or "none"
+
+
+def check_npu(recipe: Recipe, facts: HostFacts, device: int | None
+              ) -> tuple[list[Check], NpuInfo | None]:
+    host = recipe.host
+    frac = recipe.serve.mem_fraction_static
+    checks: list[Check] = []
+    if facts.npu_smi is None:
+        checks.append(Check("npu-smi", FAIL, "not found", "`npu-smi info` lists the NPUs",
+                            DRIVER_FIX))
+    elif facts.npu_smi != "ok":
+        checks.append(Check("npu-smi", FAIL, facts.npu_smi, "`npu-smi info` lists the NPUs",
+                            "fix the driver: dcmi errors usually mean missing /dev/davinci* "
+                            "nodes or a driver/firmware mismatch; " + DRIVER_FIX))
+    else:
+        checks.append(Check("npu-smi", OK, f"driver {facts.npu_driver or '?'}, "
+                            f"{len(facts.npus)} NPU dies", "`npu-smi info` lists the NPUs"))
+    wanted = "one of " + ", ".join(host.npu_models)
+    names = sorted({n.model for n in facts.npus})
+    matching = [n for n in facts.npus if any(npu_model_matches(n, m) for m in host.npu_models)]
+    if not facts.npus:
+        for name in ("npu-model", "npu-health", "npu-hbm", "npu-hbm-free"):
+            checks.append(Check(name, SKIP, "no NPU listed", wanted if name == "npu-model"
+                                else "", "see npu-smi"))
+        return checks, None
+    if not matching:
+        checks.append(Check("npu-model", FAIL, ", ".join(names), wanted,
+                            "use the recipe for this NPU (`dsv4-offload recipe list`, --recipe "
+                            "NAME) or run on a host with the NPU the recipe names"))
+    else:
+        checks.append(Check("npu-model", OK, f"{', '.join(names)} x{len(matching)}", wanted))
+    chosen = choose_npu(facts.npus, host.npu_models, mem_fraction=frac, device=device)
+    if chosen is None:
+        why = f"device {device} is not listed" if device is not None else "no matching NPU"
+        for name in ("npu-health", "npu-hbm", "npu-hbm-free"):
+            checks.append(Check(name, FAIL if device is not None else SKIP, why, "",
+                                f"pick one of {_npu_list(matching)} with --device N or "
+                                "ASCEND_RT_VISIBLE_DEVICES" if device is not None else ""))
+        return checks, None
+    label = f"{chosen.label} (device {chosen.device_id}, {chosen.model})"
+    healthy_idle = [n for n in matching if n.health.upper() == "OK" and npu_is_idle(n, frac)
+                    and n is not chosen]
+    other = (f"; healthy idle alternatives: {_npu_list(healthy_idle)} (--device N)"
+             if healthy_idle else "")
+    health = chosen.health
+    if health.upper() == "OK":
+        checks.append(Check("npu-health", OK, f"{label}: OK", "Health OK"))
+    else:
+        checks.append(Check(
+            "npu-health", WARN if health.upper() == "WARNING" else FAIL, f"{label}: {health}",
+            "Health OK",
+            f"read the alarm codes with `npu-smi info -t health -i {chosen.npu_id}`, clear them "
+            f"or reset the NPU (`npu-smi set -t reset -i {chosen.npu_id} -c {chosen.chip}`), or "
+            "reboot" + other,
+        ))
+    total_gib = (chosen.hbm_total_mb or 0) / 1024
+    checks.append(Check(
+        "npu-hbm", OK if total_gib >= host.hbm_min_gib else FAIL,
+        f"{label}: {chosen.hbm_total_mb or '?'} MB", f">= {host.hbm_min_gib:g} GiB HBM",
+        "" if total_gib >= host.hbm_min_gib else
+        "this recipe needs a 64 GB HBM NPU (attention, KV cache and ~1 GB per resident expert)",
+    ))
+    limit = int((1.0 - frac) * (chosen.hbm_total_mb or 0))
+    used = f"{chosen.hbm_used_mb if chosen.hbm_used_mb is not None else '?'} MB used"
+    if npu_is_idle(chosen, frac):
+        checks.append(Check("npu-hbm-free", OK, f"{label}: {used}",
+                            f"<= {limit} MB used (mem fraction {frac:g})"))
+    else:
+        holders = ", ".join(f"pid {p.pid} {p.name} {p.memory_mb} MB" for p in chosen.processes)
+        checks.append(Check(
+            "npu-hbm-free", FAIL, f"{label}: {used}" + (f" by {holders}" if holders else ""),
+            f"<= {limit} MB used (mem fraction {frac:g})",
+            "stop what holds the NPU (`npu-smi info` lists its processes) or serve on an idle "
+            "one with --device N / ASCEND_RT_VISIBLE_DEVICES" + other,
+        ))
+    return checks, chosen
+
+
+def check_device_nodes(recipe: Recipe, facts: HostFacts, chosen: NpuInfo | None) -> Check:
+    wanted = list(recipe.host.npu_device_nodes)
+    if chosen is not None:
+        wanted.append(f"/dev/davinci{chosen.device_id}")
+    elif not any(p.startswith("/dev/davinci") and p[12:].isdigit() for p in facts.device_nodes
+                 if facts.device_nodes[p]):
+        wanted.append("/dev/davinci<N>")
+    missing = [p for p in wanted if not facts.device_nodes.get(p, False)]
+    return Check(
+        "device-nodes", FAIL if missing else OK,
+        f"missing {', '.join(missing)}" if missing else f"{len(wanted)} present",
+        ", ".join(wanted),
+        "" if not missing else "load the Ascend driver (the nodes appear with it; check "
+        "`ls -l /dev/davinci* /dev/devmm_svm /dev/hisi_hdc`); in a container pass each with "
+        "--device",
+    )
+
+
+def check_cann(recipe: Recipe, facts: HostFacts) -> Check:
+    need = f"CANN toolkit >= {recipe.host.cann_min_version}"
+    image = recipe.platform.image
+    install = (f"install the CANN {recipe.platform.cann} toolkit (and its kernels/nnal packages) "
+               "and `source <toolkit>/set_env.sh`, or set ASCEND_TOOLKIT_HOME")
+    if image:
+        install += f", or run inside {image} which ships it"
+    if facts.cann_version is None:
+        return Check("cann", FAIL, "no ascend_toolkit_install.info found", need, install)
+    if not version_at_least(facts.cann_version, recipe.host.cann_min_version):
+        return Check("cann", FAIL, f"{facts.cann_version} at {facts.cann_toolkit}", need,
+                     install + "; the A3 recipe needs CANN 9 (single-state NSA compressor)")
+    return Check("cann", OK, f"{facts.cann_version} at {facts.cann_toolkit}", need)
+
+
+def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
+    host = recipe.host
+    checks = []
+    mode = host.docker
+    if mode != "unused":
+        version = facts.tools.get("docker")
+        status = OK if version else (FAIL if mode == "required" else WARN)
+        checks.append(Check("docker", status, version or "not found", f"docker ({mode})",
+                            "" if version else TOOL_FIXES["docker"]
+                            + (f"; the image path uses {recipe.platform.image}"
+                               if recipe.platform.image else "")))
+    py = recipe.build.python
+    version = facts.python_versions.get(py)
+    ok = version is not None and version.split(".")[:2] == host.python.split(".")[:2]
+    checks.append(Check(
+        "python", OK if ok else FAIL, f"{py}: {version or 'not found'}",
+        f"{py} {host.python}.x for the build",
+        "" if ok else f"apt-get install python{host.python} python{host.python}-dev "
+        f"python{host.python}-venv (or use the image): kt-kernel binds to the interpreter "
+        "that builds it",
+    ))
+    binaries = {"gcc": recipe.platform.cc or "gcc", "g++": recipe.platform.cxx or "g++"}
+    minimums = dict(host.tools)
+    if "gcc" in minimums and "g++" not in minimums:
+        minimums["g++"] = minimums["gcc"]  # C++ sources: the same compiler generation
+    for tool, minimum in minimums.items():
+        binary = binaries.get(tool, tool)
+        version = facts.tools.get(binary)
+        ok = version_at_least(version, minimum)
+        fix = TOOL_FIXES.get(tool, f"install {binary} >= {minimum}")
+        if tool in ("gcc", "g++") and binary != tool:
+            fix = f"apt-get install {recipe.platform.cc} {recipe.platform.cxx}"
+        checks.append(Check(
+            binary, OK if ok else FAIL, version or "not found", f">= {minimum}",
+            "" if ok else fix,
+        ))
+    for lib in host.libraries:
+        found = facts.libraries.get(lib)
+        checks.append(Check(
+            f"lib{lib}", OK if found else FAIL, "found" if found else "no header or .so",
+            f"lib{lib} (header and shared library)",
+            "" if found else LIBRARY_FIXES.get(lib, f"install lib{lib} and its -dev package"),
+        ))
+    return checks
+
+
+def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
+             ) -> tuple[list[Check], NpuInfo | None]:
+    """All checks of the recipe's host section against these facts (pure: no probing)."""
+    checks = check_cpu(recipe, facts)
+    checks.append(check_numa(recipe, facts))
+    checks += check_memory_and_disk(recipe, facts)
+    npu_checks, chosen = check_npu(recipe, facts, device)
+    checks += npu_checks
+    checks.append(check_device_nodes(recipe, facts, chosen))
+    checks.append(check_cann(recipe, facts))
+    checks += check_toolchain(recipe, facts)
+    return checks, chosen
+
+
+# --- stage entry points --------------------------------------------------------------------
+
+
+def run(ctx: StageContext) -> StageResult:
+    """Probe the host, check it against the recipe, write reports/doctor.json."""
+    with ctx.task("probing the host"):
+        facts = probe(ctx)
+    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx))
+    failed = [c for c in checks if c.status == FAIL]
+    warned = [c for c in checks if c.status == WARN]
+    if failed:
+        status = Status.FAILED
+        summary = f"{len(failed)} check(s) failed: {', '.join(c.name for c in failed)}"
+    elif warned:
+        status = Status.WARN
+        summary = f"host usable, {len(warned)} warning(s): {', '.join(c.name for c in warned)}"
+    else:
+        status = Status.OK
+        summary = f"host ready: {len(checks)} checks passed"
+    problems = [
+        Problem("error" if c.status == FAIL else "warning",
+                f"{c.name}: {c.observed} (required: {c.required})", c.fix, c.name)
+        for c in failed + warned
+    ]
+    report_path = ctx.workspace.report_file("doctor")
+    host = facts.as_dict()
+    device = chosen.device_id if chosen is not None else None
+    atomic_write_json(report_path, {
+        "schema": 1, "written": now_iso(), "recipe": ctx.recipe.name, "status": status.value,
+        "summary": summary, "device": device, "checks": [c.as_dict() for c in checks],
+        "host": host,
+    })
+    data = {"checks": [c.as_dict() for c in checks], "host": host, "device": device,
+            "report": str(report_path)}
+    return StageResult(status, summary, data=data, problems=problems, log=str(report_path),
+                       outputs={"host": host, "device": device, "report": str(report_path)})
+
+
+def _digest(value: Any) -> str:
+    blob = json.dumps(value, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
+    """Digests of the host facts doctor judges, minus what moves by itself (free memory,
+    free disk, HBM in use), so a changed host makes doctor stale and names the area."""
+    f = probe(ctx)
+    return {
+        "host.cpu": _digest([f.arch, sorted(f.cpu_flags), f.cores, f.cpu_model]),
+        "host.numa": _digest(f.numa_cpulists),
+        "host.memory": _digest(round((f.mem_total_kib or 0) / KIB_PER_GIB)),
+        "host.npu": _digest([f.npu_smi, f.npu_driver,
+                             [(n.device_id, n.model, n.health, n.hbm_total_mb) for n in f.npus]]),
+        "host.devices": _digest(f.device_nodes),
+        "host.cann": _digest([f.cann_version, f.cann_toolkit]),
+        "host.toolchain": _digest([f.tools, f.python_versions, f.libraries]),
+    }
