@@ -1,0 +1,243 @@
+"""Flag and env derivation for `serve`: the brief's launch line, NUMA shapes, CANN versions."""
+
+from __future__ import annotations
+
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.host import HostFacts, NpuInfo, probe_host
+from dsv4_offload.recipe import load_recipe
+from dsv4_offload.serveplan import (
+    build_plan,
+    cann_scripts,
+    capture_script_env,
+    chunked_prefill,
+    cpu_threads,
+    nsa_compressor_mode,
+    pick_device,
+)
+from dsv4_offload.workspace import Workspace
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hosts"
+
+# The delivery's launch line as the brief gives it; <...> are filled per host below.
+BRIEF_LAUNCH = (
+    "python -m sglang.launch_server --model-path <W8A8> --device npu --tensor-parallel-size 1 "
+    "--page-size 128 --attention-backend ascend --quantization compressed-tensors "
+    "--disable-shared-experts-fusion --dtype bfloat16 --trust-remote-code "
+    "--mem-fraction-static 0.81 --disable-radix-cache --max-prefill-tokens 65535 "
+    "--context-length 65536 --watchdog-timeout 18000 --kt-method LLAMAFILE "
+    "--kt-num-gpu-experts 32 --kt-weight-path <dir>/dsv4_layer{layer_idx}_mxfp4.gguf "
+    "--kt-threadpool-count <NUMA> --kt-cpuinfer <CPUINFER> --max-running-requests 1 "
+    "--chunked-prefill-size 8192 --host <host> --port 8020"
+)
+
+
+def npu(npu_id: int, used: int | None = 3000, core: int | None = 0, health: str = "OK",
+        phy: int | None = None) -> NpuInfo:
+    return NpuInfo(npu_id=npu_id, chip=0, model="910B3", health=health, hbm_total_mb=65536,
+                   hbm_used_mb=used, aicore_pct=core, phy_id=phy)
+
+
+def host(numa: int = 8, cores: int = 192, cann: str | None = "8.5.0",
+         npus: tuple[NpuInfo, ...] = (npu(0),), toolkit: str | None = None) -> HostFacts:
+    return HostFacts(
+        arch="aarch64", cpu_model="Kunpeng-920", cpu_flags=frozenset({"asimd", "asimddp"}),
+        cores=cores, numa_nodes=tuple(range(numa)), mem_total_kib=None, mem_available_kib=None,
+        npus=npus, npu_smi="ok", device_nodes={}, cann_version=cann, cann_toolkit=toolkit,
+        python_versions={}, tools={}, libraries={}, disk_free_bytes=None,
+    )
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Workspace:
+    """A workspace whose 43 GGUF layer files exist (empty: only their presence is checked)."""
+    workspace = Workspace(tmp_path / "ws")
+    recipe = load_recipe()
+    gguf = workspace.gguf_dir(recipe)
+    gguf.mkdir(parents=True)
+    for layer in range(recipe.conversion.layers):
+        (gguf / recipe.conversion.file_name(layer)).touch()
+    return workspace
+
+
+def test_default_recipe_on_kunpeng920_8numa_matches_the_brief_flag_for_flag(ws: Workspace):
+    recipe = load_recipe()
+    plan = build_plan(recipe, host(numa=8, cores=192), ws, base_env={})
+    expected = shlex.split(
+        BRIEF_LAUNCH.replace("<W8A8>", str(ws.weights_dir(recipe, "w8a8")))
+        .replace("<dir>", str(ws.gguf_dir(recipe)))
+        .replace("<NUMA>", "8").replace("<CPUINFER>", "128").replace("<host>", "0.0.0.0")
+    )
+    assert plan.argv[0] == recipe.serve.python
+    assert plan.argv[1:] == expected[1:]
+    assert plan.derived["threadpool_count"] == 8 and plan.derived["cpuinfer"] == 128
+
+
+def test_captured_kunpeng_fixture_host_gives_the_same_line(ws: Workspace):
+    root = FIXTURES / "kunpeng920-910b"
+    facts = probe_host(root=root, npu_smi=["cat", str(root / "npu-smi-info.txt")], env={})
+    plan = build_plan(load_recipe(), facts, ws, base_env={})
+    argv = plan.argv
+    assert argv[argv.index("--kt-threadpool-count") + 1] == "8"
+    assert argv[argv.index("--kt-cpuinfer") + 1] == "128"
+    assert plan.env["KT_NSA_COMPRESSOR_MODE"] == "split"
+    # the card with the least HBM in use, whatever its number
+    idlest = min((n for n in facts.npus if n.health == "OK"), key=lambda n: n.hbm_used_mb)
+    assert plan.env["ASCEND_RT_VISIBLE_DEVICES"] == str(idlest.device_id)
+
+
+@pytest.mark.parametrize(("numa", "cores", "pools", "threads"), [
+    (8, 192, 8, 128),   # Kunpeng-920 910B host: 16 per node, never all cores
+    (4, 96, 4, 64),
+    (4, 40, 4, 36),     # capped below the core count (4 reserved), equal per pool
+    (1, 40, 1, 16),     # A3-style single node
+    (1, 16, 1, 12),
+])
+def test_threadpool_is_numa_nodes_and_cpuinfer_is_capped(numa, cores, pools, threads):
+    serve = load_recipe().serve
+    assert cpu_threads(serve, tuple(range(numa)), cores) == (pools, threads)
+
+
+def test_too_few_cores_is_a_one_line_error():
+    with pytest.raises(InputError, match="reserved_cores"):
+        cpu_threads(load_recipe().serve, tuple(range(8)), 8)
+
+
+@pytest.mark.parametrize(("numa", "cores"), [(8, 192), (4, 96), (1, 40)])
+def test_plan_flags_follow_the_host(ws: Workspace, numa, cores):
+    plan = build_plan(load_recipe(), host(numa=numa, cores=cores), ws, base_env={})
+    argv = plan.argv
+    assert int(argv[argv.index("--kt-threadpool-count") + 1]) == numa
+    assert int(argv[argv.index("--kt-cpuinfer") + 1]) < cores
+
+
+@pytest.mark.parametrize(("cann", "mode"), [("8.5.0", "split"), ("9.0.0", "single"),
+                                            ("10.1.RC1", "single"), (None, "split")])
+def test_nsa_compressor_mode_from_cann(ws: Workspace, cann, mode):
+    plan = build_plan(load_recipe(), host(cann=cann), ws, base_env={})
+    assert plan.env["KT_NSA_COMPRESSOR_MODE"] == mode
+    assert nsa_compressor_mode("auto", cann)[0] == mode
+
+
+def test_recipe_mode_wins_over_cann():
+    assert nsa_compressor_mode("single", "8.5.0") == ("single", "set by the recipe")
+
+
+def test_a3_recipe_on_cann9_single_numa(ws: Workspace):
+    recipe = load_recipe("dsv4-flash-a3")
+    plan = build_plan(recipe, host(numa=1, cores=40, cann="9.0.0"), ws, base_env={})
+    assert plan.env["KT_NSA_COMPRESSOR_MODE"] == "single"
+    assert plan.argv[plan.argv.index("--kt-threadpool-count") + 1] == "1"
+
+
+def test_chunked_prefill_covers_the_longest_prompt_in_page_multiples():
+    serve = load_recipe().serve
+    assert chunked_prefill(serve, None) == 8192
+    assert chunked_prefill(serve, 8193) == 8320
+    assert chunked_prefill(serve, 30000) % 128 == 0 and chunked_prefill(serve, 30000) >= 30000
+    with pytest.raises(InputError, match="context_length"):
+        chunked_prefill(serve, 70000)
+
+
+def test_longest_prompt_option_reaches_the_argv_with_a_note(ws: Workspace):
+    plan = build_plan(load_recipe(), host(), ws, base_env={}, longest_prompt=10000)
+    assert plan.argv[plan.argv.index("--chunked-prefill-size") + 1] == "10112"
+    assert any("10000" in n for n in plan.notes)
+
+
+def test_weight_path_keeps_layer_idx_literal_and_every_layer_must_exist(ws: Workspace):
+    recipe = load_recipe()
+    plan = build_plan(recipe, host(), ws, base_env={})
+    path = plan.argv[plan.argv.index("--kt-weight-path") + 1]
+    assert path.endswith("/dsv4_layer{layer_idx}_mxfp4.gguf")
+    assert plan.env["KT_GGUF_TEMPLATE"] == path
+    (ws.gguf_dir(recipe) / recipe.conversion.file_name(17)).unlink()
+    with pytest.raises(InputError, match=r"dsv4_layer17_mxfp4\.gguf: GGUF layer file missing"):
+        build_plan(recipe, host(), ws, base_env={})
+
+
+def test_fixed_exports_checkpoints_and_proxies(ws: Workspace):
+    recipe = load_recipe()
+    base = {"http_proxy": "http://127.0.0.1:7890", "HTTPS_PROXY": "x", "PATH": "/usr/bin",
+            "TASK_QUEUE_ENABLE": "0"}
+    plan = build_plan(recipe, host(), ws, base_env=base)
+    assert "http_proxy" not in plan.env and "HTTPS_PROXY" not in plan.env
+    assert plan.env_unset == ["HTTPS_PROXY", "http_proxy"]
+    assert plan.env["PATH"] == "/usr/bin"
+    for key in ("TASK_QUEUE_ENABLE", "STREAMS_PER_DEVICE", "PYTORCH_NPU_ALLOC_CONF",
+                "IS_DEEPSEEK_V4"):
+        assert plan.env[key] == recipe.serve.env[key]
+    assert plan.env["KT_PREFILL_STREAM_CKPT"] == str(ws.weights_dir(recipe, "w8a8"))
+    # the launcher derives the MXFP4 checkpoint by dropping "-W8A8"
+    assert plan.env["KT_MXFP4_CKPT"] == str(ws.weights_dir(recipe, "w8a8")).removesuffix("-W8A8")
+    assert "--skip-server-warmup" not in plan.argv  # streaming prefill keeps the warm-up
+
+
+def test_device_choice_option_env_and_idlest():
+    cards = (npu(0, used=60000, core=90), npu(1, used=3000, core=0),
+             npu(2, used=2000, core=0, health="Alarm"), npu(3, used=3000, core=5))
+    assert pick_device(cards, None, None)[0] == "1"
+    assert pick_device(cards, 3, None) == ("3", "from --device")
+    assert pick_device(cards, None, "5")[0] == "5"
+    with pytest.raises(InputError, match="health 'Alarm'"):
+        pick_device(cards, 2, None)
+    with pytest.raises(InputError, match="lists devices"):
+        pick_device(cards, 9, None)
+    # A3: ASCEND_RT_VISIBLE_DEVICES takes the die's physical id
+    a3 = (npu(0, used=50000, phy=0), npu(0, used=100, phy=1))
+    assert pick_device(a3, None, None)[0] == "1"
+
+
+def test_no_healthy_npu_fails_with_a_fix(ws: Workspace):
+    with pytest.raises(Dsv4Error, match="--device N"):
+        build_plan(load_recipe(), host(npus=()), ws, base_env={})
+
+
+def test_own_command_with_flags_placeholder_and_no_npu(ws: Workspace):
+    recipe = load_recipe(None, ["serve.command=[run-me, '{flags}', --extra, '{port}']",
+                                "serve.port=9999"])
+    plan = build_plan(recipe, host(npus=()), ws, base_env={})
+    assert plan.argv[0] == "run-me" and plan.argv[-2:] == ["--extra", "9999"]
+    assert "--kt-cpuinfer" in plan.argv
+    assert "ASCEND_RT_VISIBLE_DEVICES" not in plan.env
+    recipe = load_recipe(None, ["serve.command=[srv, --port, '{port}']", "serve.pass_flags=false"])
+    assert build_plan(recipe, host(), ws, base_env={}).argv == ["srv", "--port", "8020"]
+
+
+def test_cann_set_env_scripts_captured_once_in_bash(tmp_path: Path):
+    toolkit = tmp_path / "Ascend" / "ascend-toolkit" / "latest"
+    atb = tmp_path / "Ascend" / "nnal" / "atb"
+    toolkit.mkdir(parents=True)
+    atb.mkdir(parents=True)
+    (toolkit / "set_env.sh").write_text(
+        f"export ASCEND_TOOLKIT_HOME={toolkit}\n"
+        "export LD_LIBRARY_PATH=/opt/cann/lib64:$LD_LIBRARY_PATH\n"
+        "echo $UNSET_VARIABLE_IS_FINE >/dev/null\n")
+    (atb / "set_env.sh").write_text("export ATB_HOME_PATH=/opt/atb\n")
+    serve = load_recipe().serve
+    scripts = cann_scripts(serve, str(toolkit))
+    assert scripts[0] == toolkit / "set_env.sh" and scripts[1] == atb / "set_env.sh"
+    base = {"PATH": os.environ["PATH"], "LD_LIBRARY_PATH": "/usr/lib"}
+    cache = tmp_path / "cache"
+    env = capture_script_env(scripts, base, cache_dir=cache)
+    assert env == {"ASCEND_TOOLKIT_HOME": str(toolkit), "ATB_HOME_PATH": "/opt/atb",
+                   "LD_LIBRARY_PATH": "/opt/cann/lib64:/usr/lib"}
+    assert len(list(cache.glob("cann-env-*.json"))) == 1
+    # a failing script is a one-line error naming it
+    (atb / "set_env.sh").write_text("return 3\n")
+    with pytest.raises(Dsv4Error, match="serve.cann_set_env"):
+        capture_script_env(scripts, base)
+
+
+def test_plan_env_layers_script_env_under_the_recipe(ws: Workspace):
+    plan = build_plan(load_recipe(), host(toolkit="/opt/tk"), ws, base_env={},
+                      script_env={"ASCEND_OPP_PATH": "/opt/opp", "TASK_QUEUE_ENABLE": "2"})
+    assert plan.env["ASCEND_OPP_PATH"] == "/opt/opp"
+    assert plan.env["TASK_QUEUE_ENABLE"] == "1"  # the recipe's fixed export wins
+    assert plan.env["ASCEND_TOOLKIT_HOME"] == "/opt/tk"
+    assert "KT_NSA_COMPRESSOR_MODE=split" in plan.shell()
