@@ -263,6 +263,13 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     })
     if result.outputs:
         ws.update_provenance(name, result.outputs)
+    from dsv4_offload.recipe import recipe_path
+
+    ws.update_provenance("recipe", {
+        "name": ctx.recipe.name, "file": str(recipe_path(ctx.recipe) or ""),
+        "digest": model_digest(ctx.recipe), "series": ctx.series.name,
+        "series_digest": model_digest(ctx.series),
+    })
     return result
 
 
