@@ -1,0 +1,200 @@
+"""Commands for the sources and the patch series: ``fetch`` and ``patch ...``.
+
+Only typer and clikit at import time; git, the series code and rich load inside commands.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from dsv4_offload import clikit
+from dsv4_offload.errors import ExitCode
+
+patch_app = typer.Typer(help="Apply, check, inspect, reset and refresh the patch series.")
+
+_MIRROR_HELP = ("A mirror for source NAME, tried before the recipe's URLs (repeatable; also "
+                "env DSV4_MIRRORS='NAME=URL,...').")
+
+
+def _split(values: list[str]) -> list[str]:
+    """Repeatable and comma-separated: --only a --only b,c."""
+    return [x.strip() for v in values for x in v.split(",") if x.strip()]
+
+
+def register(app: typer.Typer) -> None:
+    app.command("fetch")(fetch)
+    app.add_typer(patch_app, name="patch")
+
+
+def fetch(
+    ctx: typer.Context,
+    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+    force: bool = typer.Option(False, "--force",
+                               help="Move a dirty or wrong checkout aside (never deletes)."),
+) -> None:
+    """Every source at its pinned commit in the workspace.
+
+    1. Each commit into the shared cache ($DSV4_CACHE, default ~/.cache/dsv4-offload):
+       depth-1 fetch by full SHA; if the host refuses, the recipe's ref, then all branches.
+    2. URLs tried in order: --mirror, the recipe's URL, the recipe's mirrors (git's
+       insteadOf rules apply). A second workspace copies from the cache only.
+    3. Checkouts: the tree root first, nested ones (third_party/sglang, llama.cpp,
+       submodules) at their own commits; a dirty or wrong checkout is left alone unless
+       --force moves it aside.
+    """
+    clikit.run_stage(ctx, "fetch", {"mirrors": list(mirror), "force": force})
+
+
+@patch_app.callback(invoke_without_command=True)
+def patch_default(ctx: typer.Context) -> None:
+    """Without a subcommand: `patch apply`."""
+    if ctx.invoked_subcommand is None:
+        clikit.run_stage(ctx, "patch", {"force": False})
+
+
+@patch_app.command("apply")
+def patch_apply(
+    ctx: typer.Context,
+    only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
+                                   help="Only these targets."),
+    force: bool = typer.Option(False, "--force", help="Reset a target whose applied patches "
+                               "differ from the series (the old state is kept under a ref)."),
+) -> None:
+    """Apply the series: one commit per patch on top of the pinned commit.
+
+    1. Load every patch and check its sha256 before any repository is touched.
+    2. Per target, skip the patches already applied (commit trailers), apply the rest:
+       mail-format with `git am --3way` (author kept), plain diffs with `git apply
+       --index` and a fixed identity; no fuzz; commit hooks off.
+    3. A failure rolls the target back and names the rejected hunks and the log.
+    """
+    clikit.run_stage(ctx, "patch", {"only": _split(only), "force": force})
+
+
+@patch_app.command("status")
+def patch_status(ctx: typer.Context) -> None:
+    """Per patch: applied / not-applied / changed (since applied) / missing."""
+    from dsv4_offload import series as series_ops
+
+    pctx = clikit.load_context(ctx, "patch")
+    rows = series_ops.series_status(pctx.recipe, pctx.series, pctx.workspace)
+    all_applied = all(r.state == series_ops.APPLIED for r in rows)
+    data = {"patches": [r.__dict__ for r in rows]}
+    table = _table(("patch", "target", "state", "commit", "detail"),
+                   [(r.name, r.target, r.state, (r.commit or "")[:12], r.detail) for r in rows])
+    clikit.emit(ctx, command="patch status", status="ok" if all_applied else "warn", data=data,
+                table=table)
+    clikit.exit_with(ExitCode.OK if all_applied else ExitCode.FAILED)
+
+
+@patch_app.command("reset")
+def patch_reset(
+    ctx: typer.Context,
+    target: str | None = typer.Argument(None, help="One target (default: every patched one)."),
+    force: bool = typer.Option(False, "--force",
+                               help="Also reset over local edits (kept under a ref)."),
+) -> None:
+    """Back to the pinned commit; the patched state stays under refs/dsv4/patched-<time>."""
+    from dsv4_offload import series as series_ops
+
+    pctx = clikit.load_context(ctx, "patch")
+    log = pctx.log_dir / "reset.log"
+    with pctx.workspace.lock("patch reset"):
+        rows = series_ops.reset_targets(pctx.recipe, pctx.series, pctx.workspace, log,
+                                        [target] if target else None, force)
+    blocked = [r for r in rows if r["result"] == "blocked"]
+    table = _table(("target", "result", "kept", "detail"),
+                   [(r["target"], r["result"], " ".join(r["kept"]), r.get("message", ""))
+                    for r in rows])
+    clikit.emit(ctx, command="patch reset", status="failed" if blocked else "ok",
+                data={"targets": rows, "log": str(log)}, table=table)
+    clikit.exit_with(ExitCode.FAILED if blocked else ExitCode.OK)
+
+
+@patch_app.command("refresh")
+def patch_refresh(
+    ctx: typer.Context,
+    only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
+                                   help="Only these targets."),
+) -> None:
+    """Regenerate this repo's own patch files from their commits and update their sha256.
+
+    For maintainers: edit the tree, amend the patch's commit, run refresh, commit the
+    patch file and the series.
+    """
+    from dsv4_offload import series as series_ops
+
+    pctx = clikit.load_context(ctx, "patch")
+    with pctx.workspace.lock("patch refresh"):
+        rows = series_ops.refresh_series(pctx.recipe, pctx.series, pctx.workspace,
+                                         _split(only) or None)
+    table = _table(("patch", "target", "result", "detail"),
+                   [(r["name"], r["target"], r["result"], r.get("detail", "")) for r in rows])
+    clikit.emit(ctx, command="patch refresh", status="ok", data={"patches": rows}, table=table)
+
+
+@patch_app.command("check")
+def patch_check(
+    ctx: typer.Context,
+    rev: list[str] = typer.Option([], "--rev", metavar="TARGET=REF",
+                                  help="Check against another upstream branch/tag/SHA."),
+    only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
+                                   help="Only these targets."),
+    junit: str | None = typer.Option(None, "--junit", metavar="FILE", help="JUnit XML report."),
+    markdown: str | None = typer.Option(None, "--markdown", metavar="FILE",
+                                        help="Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
+    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+) -> None:
+    """CI: does the series still apply? Never touches the workspace.
+
+    1. Fetch the targets and the patch origins into the cache; check every sha256.
+    2. Per target, a scratch worktree at the pinned commit (or --rev TARGET=REF).
+    3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /
+       already-upstream; then apply it so the next patch sees the tree it expects.
+    4. Exit 0 only when every checked patch is clean.
+    """
+    from pathlib import Path
+
+    from dsv4_offload import gitsrc, series as series_ops
+    from dsv4_offload.errors import InputError
+
+    pctx = clikit.load_context(ctx, "patch")
+    revs: dict[str, str] = {}
+    for item in rev:
+        name, sep, ref = item.partition("=")
+        if not sep or not name or not ref:
+            raise InputError(f"--rev {item!r}: expected TARGET=REF, e.g. --rev sglang=main")
+        revs[name] = ref
+    mirrors = gitsrc.mirrors_from(mirror, pctx.recipe)
+    log = pctx.log_dir / "check.log"
+    report = series_ops.check_series(pctx.recipe, pctx.series, log, mirrors=mirrors,
+                                     revs=revs, only=_split(only) or None)
+    if junit:
+        series_ops.write_report(Path(junit), series_ops.junit_xml(report))
+    if markdown:
+        series_ops.write_report(Path(markdown),
+                                series_ops.markdown_summary(report).encode("utf-8"))
+    data: dict[str, Any] = report.as_dict()
+    data["log"] = str(log)
+    table = _table(("patch", "target", "base", "result", "detail"),
+                   [(r.name, r.target, r.base[:12], r.status, r.detail) for r in report.rows])
+    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
+    clikit.emit(ctx, command="patch check", status="ok" if report.ok else "failed", data=data,
+                table=table, lines=[f"patch check: {'ok' if report.ok else 'failed'} — {counts}"
+                                    f"; log: {log}"])
+    clikit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+
+
+def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Any:
+    from rich.table import Table
+
+    from dsv4_offload.render import styled
+
+    table = Table(pad_edge=False)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    for row in rows:
+        table.add_row(*[styled(str(v)) if i == 2 else str(v) for i, v in enumerate(row)])
+    return table

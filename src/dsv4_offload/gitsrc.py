@@ -1,0 +1,441 @@
+"""Pinned git sources: a shared cache of bare repositories, fetch by SHA, workspace checkouts.
+
+Every source is fetched once into ``<cache>/git/<name>.git`` (depth 1, by full SHA, with a
+fallback for hosts that refuse unadvertised SHAs) and pinned there under
+``refs/dsv4/pins/<sha>`` so a second workspace copies it without touching the network.
+Checkouts are independent repositories copied from the cache at the pinned commit.
+
+Quick read-only queries go through GitPython (``repo.git.*``); commands whose output the user
+may need to read (fetch, checkout) go through :func:`runner.run_command`, which logs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsv4_offload.errors import Dsv4Error, InputError
+
+if TYPE_CHECKING:
+    import git
+
+    from dsv4_offload.recipe import Recipe, Source
+    from dsv4_offload.stage import Task
+
+CACHE_ENV = "DSV4_CACHE"
+MIRRORS_ENV = "DSV4_MIRRORS"
+PIN_REF_PREFIX = "refs/dsv4/pins/"
+PINNED_REF = "refs/dsv4/pinned"  # in a checkout: the commit the recipe pins
+CHECKOUT_BRANCH = "dsv4-offload"
+PATCH_TRAILER = "Dsv4-Patch"
+
+_HEX40 = re.compile(r"^[0-9a-f]{40}$")
+# "Receiving objects:  45% (123/456), 1.20 MiB | 2.00 MiB/s" (git --progress, on stderr)
+_RECEIVING = re.compile(
+    r"Receiving objects:\s+\d+% \((\d+)/(\d+)\)(?:,\s+([\d.]+)\s+(bytes|KiB|MiB|GiB))?"
+)
+_UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
+
+
+# --- where things live ---------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """``$DSV4_CACHE`` or ``~/.cache/dsv4-offload``: shared by every workspace of the user."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4-offload"
+    )
+    return Path(base).expanduser().absolute()
+
+
+def cache_repo_path(name: str) -> Path:
+    return cache_root() / "git" / f"{name}.git"
+
+
+def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for git: never prompt for credentials (a dead mirror must fail fast),
+    messages in English so they can be parsed."""
+    env = dict(os.environ)
+    env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANGUAGE": "C"})
+    env.pop("GIT_DIR", None)
+    env.pop("GIT_WORK_TREE", None)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def git_version() -> str:
+    import git
+
+    return ".".join(str(p) for p in git.Git().version_info)
+
+
+def open_repo(path: Path) -> git.Repo:
+    """A repository at exactly ``path`` (never a parent's: nested checkouts live in the tree)."""
+    import git
+
+    return git.Repo(path, search_parent_directories=False)
+
+
+def git_bytes(repo_dir: Path, *args: str) -> bytes:
+    """The raw stdout of a git command (exact bytes, e.g. a blob to hash)."""
+    import git
+
+    out = git.Git(repo_dir).execute(
+        ["git", *args], stdout_as_string=False, strip_newline_in_stdout=False, env=git_env()
+    )
+    return out if isinstance(out, bytes) else bytes(out)
+
+
+def git_text(repo_dir: Path, *args: str) -> str:
+    import git
+
+    return str(git.Git(repo_dir).execute(["git", *args], env=git_env()))
+
+
+def git_ok(repo_dir: Path, *args: str) -> bool:
+    import git
+
+    try:
+        git.Git(repo_dir).execute(["git", *args], env=git_env())
+    except git.GitCommandError:
+        return False
+    return True
+
+
+def has_commit(repo_dir: Path, commit: str) -> bool:
+    return git_ok(repo_dir, "cat-file", "-e", f"{commit}^{{commit}}")
+
+
+def head_commit(repo_dir: Path) -> str | None:
+    import git
+
+    try:
+        return git_text(repo_dir, "rev-parse", "--verify", "-q", "HEAD^{commit}")
+    except git.GitCommandError:
+        return None
+
+
+# --- mirrors -------------------------------------------------------------------------------
+
+
+def parse_mirrors(values: Sequence[str], env_value: str | None = None) -> dict[str, list[str]]:
+    """``NAME=URL`` items (options first, then ``$DSV4_MIRRORS``, comma/space separated)."""
+    items = list(values)
+    if env_value:
+        items += [x for x in re.split(r"[\s,;]+", env_value) if x]
+    out: dict[str, list[str]] = {}
+    for item in items:
+        name, sep, url = item.partition("=")
+        if not sep or not name.strip() or not url.strip():
+            raise InputError(
+                f"mirror {item!r}: expected NAME=URL (e.g. --mirror sglang=file:///srv/sglang.git "
+                f"or {MIRRORS_ENV}='sglang=https://host/sglang.git')"
+            )
+        out.setdefault(name.strip(), []).append(url.strip())
+    return out
+
+
+def mirrors_from(values: Sequence[str] | None, recipe: Recipe) -> dict[str, list[str]]:
+    """Mirrors from the options and the environment, checked against the recipe's sources."""
+    mirrors = parse_mirrors(values or [], os.environ.get(MIRRORS_ENV))
+    names = [s.name for s in recipe.sources]
+    for name in mirrors:
+        if name not in names:
+            raise InputError(f"mirror for '{name}': not a source of recipe '{recipe.name}'; "
+                             f"use one of {names}")
+    return mirrors
+
+
+def candidate_urls(source: Source, extra: dict[str, list[str]] | None = None) -> list[str]:
+    """User mirrors first, then the recipe's URL and its mirrors, without repeats."""
+    urls = list((extra or {}).get(source.name, [])) + [source.url, *source.mirrors]
+    return list(dict.fromkeys(urls))
+
+
+# --- the cache -----------------------------------------------------------------------------
+
+
+@dataclass
+class FetchOutcome:
+    name: str
+    commit: str
+    cache: Path
+    url: str | None = None  # None: already in the cache, nothing fetched
+    method: str = "cached"  # cached | sha | ref | heads
+    bytes_received: int = 0
+    attempts: list[str] = field(default_factory=list)  # "url: why it failed"
+
+
+@contextlib.contextmanager
+def _cache_lock(repo: Path) -> Iterator[None]:
+    """Two workspaces fetching into the same cache repository take turns."""
+    repo.parent.mkdir(parents=True, exist_ok=True)
+    with open(repo.with_suffix(".lock"), "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def ensure_cache_repo(name: str) -> Path:
+    repo = cache_repo_path(name)
+    if not (repo / "HEAD").exists():
+        import git
+
+        try:
+            git.Repo.init(repo, bare=True)
+        except OSError as exc:
+            raise InputError(f"{repo}: cannot create the git cache ({exc.strerror}); set "
+                             f"{CACHE_ENV} to a writable directory") from None
+    return repo
+
+
+def _progress_reader(task: Task | None, received: list[int]) -> Callable[[str], None]:
+    def on_line(line: str) -> None:
+        # git redraws progress with '\r'; the runner hands over whole lines, so take the last
+        for part in reversed(line.split("\r")):
+            m = _RECEIVING.search(part)
+            if m:
+                if m.group(3):
+                    received[0] = int(float(m.group(3)) * _UNITS[m.group(4)])
+                if task is not None:
+                    task.update(completed=received[0] or int(m.group(1)))
+                return
+
+    return on_line
+
+
+def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[bool, str, int]:
+    from dsv4_offload.runner import CommandFailed, run_command
+
+    received = [0]
+    try:
+        run_command(["git", "fetch", "--progress", "--no-tags", "--no-write-fetch-head", *args],
+                    log=log, cwd=repo, env=git_env(), on_line=_progress_reader(task, received))
+    except CommandFailed as exc:
+        return False, exc.excerpt[-1] if exc.excerpt else exc.message, received[0]
+    return True, "", received[0]
+
+
+def fetch_commit(source: Source, *, log: Path, mirrors: dict[str, list[str]] | None = None,
+                 commit: str | None = None, task: Task | None = None) -> FetchOutcome:
+    """Make ``commit`` (default: the pinned one) present in the cache and pin it there.
+
+    1. already in the cache: nothing fetched;
+    2. for each URL (user mirrors, recipe URL, recipe mirrors): ``fetch --depth 1 URL SHA``;
+    3. some hosts refuse an unadvertised SHA, so then fetch the recipe's ref (depth 1, then
+       its whole history) or, without a ref, all branches, and check the commit is there.
+    """
+    commit = commit or source.commit
+    repo = ensure_cache_repo(source.name)
+    outcome = FetchOutcome(source.name, commit, repo)
+    with _cache_lock(repo):
+        if not has_commit(repo, commit):
+            for url in candidate_urls(source, mirrors):
+                if _fetch_from(repo, url, source, commit, log, task, outcome):
+                    break
+            else:
+                tried = "; ".join(outcome.attempts) or "no URL"
+                raise Dsv4Error(
+                    f"source '{source.name}': commit {commit} could not be fetched ({tried}); "
+                    f"check the network or pass --mirror {source.name}=URL", log=str(log))
+        git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
+    return outcome
+
+
+def _fetch_from(repo: Path, url: str, source: Source, commit: str, log: Path,
+                task: Task | None, outcome: FetchOutcome) -> bool:
+    shallow = ["--depth", "1"]
+    ok, why, got = _fetch(repo, [*shallow, url, commit], log, task)
+    if ok and has_commit(repo, commit):
+        outcome.url, outcome.method, outcome.bytes_received = url, "sha", got
+        return True
+    if not ok and _unreachable(why):
+        outcome.attempts.append(f"{url}: {why}")
+        return False
+    # the host refused the SHA (or served something else): go through named refs
+    deepen = ["--unshallow"] if (repo / "shallow").exists() else []
+    plans: list[tuple[str, list[str]]] = []
+    if source.ref:
+        refspec = f"+{source.ref}:refs/dsv4/fallback/{_ref_slug(source.ref)}"
+        plans += [("ref", [*shallow, url, refspec]), ("ref", [*deepen, url, refspec])]
+    plans.append(("heads", [*deepen, url, "+refs/heads/*:refs/dsv4/heads/*",
+                            "+refs/tags/*:refs/dsv4/tags/*"]))
+    for method, args in plans:
+        ok, why2, got2 = _fetch(repo, args, log, task)
+        got += got2
+        if ok and has_commit(repo, commit):
+            outcome.url, outcome.method, outcome.bytes_received = url, method, got
+            return True
+        if not ok:
+            why = why2
+        deepen = ["--unshallow"] if (repo / "shallow").exists() else []
+    missing = f"the commit is not on {source.ref or 'any branch'}"
+    outcome.attempts.append(f"{url}: {why or missing}")
+    return False
+
+
+def _unreachable(why: str) -> bool:
+    """A dead host or path: no point asking it again for a ref."""
+    return bool(re.search(r"does not appear to be a git repository|Could not resolve host|"
+                          r"unable to access|Connection refused|not found|No such file", why, re.I))
+
+
+def _ref_slug(ref: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", ref).strip("-") or "ref"
+
+
+def resolve_remote_ref(source: Source, ref: str, *, log: Path,
+                       mirrors: dict[str, list[str]] | None = None) -> str:
+    """The commit a branch/tag/SHA names upstream, fetched into the cache (for --rev)."""
+    if _HEX40.match(ref):
+        return fetch_commit(source, log=log, mirrors=mirrors, commit=ref).commit
+    repo = ensure_cache_repo(source.name)
+    local = f"refs/dsv4/rev/{_ref_slug(ref)}"
+    why = ""
+    with _cache_lock(repo):
+        for url in candidate_urls(source, mirrors):
+            ok, why, _ = _fetch(repo, ["--depth", "1", url, f"+{ref}:{local}"], log, None)
+            if ok:
+                commit = git_text(repo, "rev-parse", f"{local}^{{commit}}")
+                git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
+                return commit
+    raise Dsv4Error(f"source '{source.name}': ref '{ref}' could not be fetched ({why}); "
+                    "give a branch, tag or full SHA that exists upstream", log=str(log))
+
+
+def read_blob(source: Source, path: str, places: Sequence[Path]) -> bytes | None:
+    """A file of ``source`` at its pinned commit, from the first repo that has the commit."""
+    for repo in places:
+        is_repo = (repo / "HEAD").exists() or (repo / ".git").exists()
+        if is_repo and has_commit(repo, source.commit):
+            import git
+
+            try:
+                return git_bytes(repo, "cat-file", "blob", f"{source.commit}:{path}")
+            except git.GitCommandError:
+                return None
+    return None
+
+
+# --- workspace checkouts -------------------------------------------------------------------
+
+
+@dataclass
+class CheckoutState:
+    """What is at a checkout path now."""
+
+    kind: str  # absent | pinned | patched | dirty | other-commit | not-a-repo
+    head: str | None = None
+    detail: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return self.kind in ("pinned", "patched")
+
+
+def is_empty_dir(path: Path) -> bool:
+    return path.is_dir() and not any(path.iterdir())
+
+
+def dirty_files(repo_dir: Path) -> list[str]:
+    """Modified tracked files; nested checkouts (gitlinks) are expected to differ."""
+    out = git_text(repo_dir, "status", "--porcelain", "--untracked-files=no",
+                   "--ignore-submodules=all")
+    return [line[3:] for line in out.splitlines() if line.strip()]
+
+
+def patch_commits(repo_dir: Path, base: str) -> list[tuple[str, str]]:
+    """``(commit, patch name or '')`` for each commit in ``base..HEAD``, oldest first."""
+    fmt = f"%H%x1f%(trailers:key={PATCH_TRAILER},valueonly,separator=%x2c)%x1e"
+    out = git_text(repo_dir, "log", "--reverse", f"--format={fmt}", f"{base}..HEAD")
+    rows = []
+    for record in out.split("\x1e"):
+        record = record.strip()
+        if record:
+            commit, _, name = record.partition("\x1f")
+            rows.append((commit.strip(), name.strip()))
+    return rows
+
+
+def inspect_checkout(path: Path, commit: str) -> CheckoutState:
+    if not path.exists() or is_empty_dir(path):
+        return CheckoutState("absent")
+    if not (path / ".git").exists():
+        return CheckoutState("not-a-repo", detail=f"{path} exists and is not a git checkout")
+    head = head_commit(path)
+    if head is None:
+        return CheckoutState("other-commit", detail="the repository has no commit checked out")
+    if head != commit:
+        if not has_commit(path, commit) or not git_ok(path, "merge-base", "--is-ancestor",
+                                                      commit, head):
+            return CheckoutState("other-commit", head,
+                                 f"HEAD is {head[:12]}, not the pinned {commit[:12]}")
+        foreign = [c for c, name in patch_commits(path, commit) if not name]
+        if foreign:
+            return CheckoutState("other-commit", head,
+                                 f"HEAD has {len(foreign)} commit(s) on top of the pinned one "
+                                 f"that are not series patches (first {foreign[0][:12]})")
+    dirty = dirty_files(path)
+    if dirty:
+        more = f" (+{len(dirty) - 1} more)" if len(dirty) > 1 else ""
+        return CheckoutState("dirty", head, f"local changes in {dirty[0]}{more}")
+    return CheckoutState("pinned" if head == commit else "patched", head)
+
+
+def move_aside(path: Path) -> Path:
+    """Rename ``path`` to ``<path>.moved-<timestamp>``: --force never deletes anything."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = path.with_name(f"{path.name}.moved-{stamp}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.moved-{stamp}-{n}")
+    path.rename(target)
+    return target
+
+
+def create_checkout(path: Path, source: Source, log: Path) -> None:
+    """A fresh repository at ``path``, copied from the cache, on a branch at the pinned commit."""
+    from dsv4_offload.runner import run_command
+
+    env = git_env()
+    cache = cache_repo_path(source.name)
+    path.mkdir(parents=True, exist_ok=True)
+    run_command(["git", "init", "-q", str(path)], log=log, env=env)
+    # by ref name, not SHA: a user's protocol.version=0 would refuse a bare SHA even locally
+    run_command(["git", "fetch", "-q", "--no-tags", "--depth", "1", str(cache),
+                 f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=path, env=env)
+    run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.commit],
+                log=log, cwd=path, env=env)
+    git_ok(path, "remote", "add", "origin", source.url)
+    head = head_commit(path)
+    if head != source.commit:
+        raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.commit}; "
+                        "the cache may be corrupt: move it aside and rerun", log=str(log))
+
+
+def checkout_order(recipe: Recipe) -> list[Source]:
+    """Outer checkouts before the ones nested inside them (sglang lives in ktransformers)."""
+    return sorted(recipe.sources, key=lambda s: (len(Path(s.path).parts), s.path))
+
+
+def gitlink_commit(tree_repo: Path, commit: str, relpath: str) -> str | None:
+    """The commit a tree records for a submodule path, if it records one."""
+    import git
+
+    try:
+        out = git_text(tree_repo, "ls-tree", commit, "--", relpath)
+    except git.GitCommandError:
+        return None
+    parts = out.split()
+    return parts[2] if len(parts) >= 3 and parts[1] == "commit" else None

@@ -1,0 +1,119 @@
+"""fetch: every source of the recipe at its pinned commit, laid out in the workspace.
+
+1. each source's commit into the shared bare-repo cache (by SHA, with fallbacks, mirrors);
+2. outer checkouts before nested ones: ktransformers is the tree, sglang and llama.cpp go
+   to its ``third_party/`` at their own commits (never ``git submodule update``);
+3. a checkout already at its commit (or at it plus series patches) is left as it is; a
+   dirty one, one on another commit or a non-repo is reported, or moved aside with --force.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from dsv4_offload import gitsrc
+from dsv4_offload.errors import Dsv4Error
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+
+
+def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
+    return {"git": gitsrc.git_version()}
+
+
+def run(ctx: StageContext) -> StageResult:
+    recipe, ws = ctx.recipe, ctx.workspace
+    mirrors = gitsrc.mirrors_from(ctx.option("mirrors", []), recipe)
+    force = bool(ctx.option("force", False))
+    log = ctx.log_dir / "git.log"
+    rows: list[dict[str, Any]] = []
+    problems: list[Problem] = []
+    blocked_paths: list[Path] = []
+    total_bytes = 0
+
+    with ctx.task("sources", total=len(recipe.sources)) as overall:
+        for source in gitsrc.checkout_order(recipe):
+            path = ws.source_dir(recipe, source.name)
+            row: dict[str, Any] = {"name": source.name, "commit": source.commit,
+                                   "path": str(path)}
+            rows.append(row)
+            if any(path.is_relative_to(b) for b in blocked_paths):
+                row["checkout"] = "skipped"
+                problems.append(Problem("error", f"{source.name}: not placed, its parent "
+                                        "checkout was left alone", check=source.name))
+                overall.advance()
+                continue
+            try:
+                with ctx.task(f"fetch {source.name}", unit="bytes") as task:
+                    outcome = gitsrc.fetch_commit(source, log=log, mirrors=mirrors, task=task)
+            except Dsv4Error as exc:
+                row["cache"] = "failed"
+                problems.append(Problem("error", exc.message, check=source.name,
+                                        fix=f"check the network, or add --mirror "
+                                            f"{source.name}=URL; see the log: {log}"))
+                blocked_paths.append(path)
+                overall.advance()
+                continue
+            row.update(cache=outcome.method, url=outcome.url, bytes=outcome.bytes_received)
+            total_bytes += outcome.bytes_received
+            row["checkout"] = _place(source, path, force, log, problems, blocked_paths)
+            if source.submodule_of and row["checkout"] != "blocked":
+                _check_gitlink(ctx, source, problems)
+            overall.advance()
+
+    outputs = {r["name"]: r["commit"] for r in rows if r.get("checkout") in
+               ("created", "pinned", "patched", "recreated")}
+    failed = [p for p in problems if p.severity == "error"]
+    placed = sum(1 for r in rows if r["name"] in outputs)
+    fetched = sum(1 for r in rows if r.get("cache") not in (None, "cached", "failed"))
+    summary = (f"{placed}/{len(rows)} sources at their pinned commits; {fetched} fetched "
+               f"({_human(total_bytes)}), {len(rows) - fetched} from the cache")
+    warned = any(p.severity == "warning" for p in problems)
+    status = Status.FAILED if failed else (Status.WARN if warned else Status.OK)
+    return StageResult(status, summary, data={"sources": rows, "cache": str(gitsrc.cache_root())},
+                       problems=problems, outputs=outputs if not failed else {}, log=str(log))
+
+
+def _place(source: Any, path: Path, force: bool, log: Path, problems: list[Problem],
+           blocked_paths: list[Path]) -> str:
+    state = gitsrc.inspect_checkout(path, source.commit)
+    if state.usable:
+        return state.kind
+    if state.kind == "absent":
+        gitsrc.create_checkout(path, source, log)
+        return "created"
+    if not force:
+        blocked_paths.append(path)
+        problems.append(Problem(
+            "error", f"{source.name}: {path} is {state.kind.replace('-', ' ')}: {state.detail}",
+            fix="commit or move your changes, or rerun with --force (moves it aside, "
+                "never deletes)", check=source.name))
+        return "blocked"
+    moved = gitsrc.move_aside(path)
+    problems.append(Problem("warning", f"{source.name}: {state.kind} checkout moved to {moved}",
+                            fix="delete it once you have kept what you need", check=source.name))
+    gitsrc.create_checkout(path, source, log)
+    return "recreated"
+
+
+def _check_gitlink(ctx: StageContext, source: Any, problems: list[Problem]) -> None:
+    """A submodule pinned at another commit than its parent records deserves a note."""
+    parent = ctx.recipe.source(source.submodule_of)
+    parent_dir = ctx.workspace.source_dir(ctx.recipe, parent.name)
+    src_dir = ctx.workspace.source_dir(ctx.recipe, source.name)
+    if not src_dir.is_relative_to(parent_dir) or not (parent_dir / ".git").exists():
+        return
+    rel = src_dir.relative_to(parent_dir).as_posix()
+    recorded = gitsrc.gitlink_commit(parent_dir, parent.commit, rel)
+    if recorded and recorded != source.commit:
+        problems.append(Problem(
+            "info", f"{source.name}: {parent.name} records {recorded[:12]} at {rel}; the recipe "
+            f"pins {source.commit[:12]}", check=source.name))
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

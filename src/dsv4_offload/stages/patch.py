@@ -1,0 +1,53 @@
+"""patch: the series applied to the fetched sources, one commit per patch.
+
+1. every patch loaded from its origin and its sha256 checked (before any repo is touched);
+2. per target, in series order: recover an apply that was killed half-way, skip the
+   patches already applied (known by their commit trailers), apply the rest;
+3. a failure rolls that target back to where it was, with the rejected hunks and the log.
+"""
+
+from __future__ import annotations
+
+from dsv4_offload import gitsrc, series as series_ops
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+
+
+def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
+    """The patch digests: a changed patch makes the stage stale."""
+    out = {f"patch:{p.name}": p.sha256[:16] for p in ctx.series.patches}
+    out["git"] = gitsrc.git_version()
+    return out
+
+
+def run(ctx: StageContext) -> StageResult:
+    log = ctx.log_dir / "apply.log"
+    only = ctx.option("only") or None
+    outcomes = series_ops.apply_series(ctx.recipe, ctx.series, ctx.workspace, log,
+                                       only=only, force=bool(ctx.option("force", False)))
+    problems: list[Problem] = []
+    for o in outcomes:
+        if o.recovered:
+            problems.append(Problem("info", f"{o.target}: recovered an interrupted apply",
+                                    check=o.target))
+        if o.status == "failed":
+            hunks = ", ".join(o.rejected[:6]) or "see the log"
+            problems.append(Problem("error", f"{o.message}; rejected: {hunks}", check=o.target,
+                                    fix=f"update the patch for this {o.target} commit; see "
+                                        f"the log: {log}"))
+        elif o.status == "blocked":
+            problems.append(Problem("error", f"{o.target}: {o.message}", check=o.target))
+    applied = sum(len(o.applied) for o in outcomes)
+    skipped = sum(len(o.skipped) for o in outcomes)
+    failed = any(o.status in ("failed", "blocked") for o in outcomes)
+    if failed:
+        status = Status.FAILED
+    elif applied:
+        status = Status.OK
+    else:
+        status = Status.SKIPPED
+    summary = (f"{applied} patch(es) applied, {skipped} already applied, "
+               f"{len(outcomes)} target(s)")
+    data = {"targets": [o.__dict__ for o in outcomes]}
+    outputs = {} if failed else {o.target: o.head for o in outcomes}
+    return StageResult(status, summary, data=data, problems=problems, outputs=outputs,
+                       log=str(log))

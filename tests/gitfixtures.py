@@ -1,0 +1,363 @@
+"""Upstream repositories built once per session and served over file://, plus a recipe and
+series pointing at them.
+
+Layout mirrors the real recipe in miniature: ``main`` is the tree root (it records
+gitlinks at third_party/sub and third_party/lib, and its .gitmodules points sub elsewhere,
+as ktransformers does for sglang), ``sub`` is patched and nested at its own commit, ``lib`` is
+an unpatched submodule, ``delivery`` carries the patch files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+BUNDLED_RECIPE = REPO_ROOT / "src" / "dsv4_offload" / "data" / "recipes" / "dsv4-flash-910b.yaml"
+AUTHOR = ("Alice Maintainer", "alice@example.org")
+DELIVERY_DIR = "integration/series"
+
+
+def git(cwd: Path, *args: str, env: dict[str, str] | None = None) -> str:
+    full = {**os.environ, "GIT_AUTHOR_NAME": "Up Stream", "GIT_AUTHOR_EMAIL": "up@example.org",
+            "GIT_COMMITTER_NAME": "Up Stream", "GIT_COMMITTER_EMAIL": "up@example.org",
+            "GIT_AUTHOR_DATE": "2025-01-01T00:00:00Z",
+            "GIT_COMMITTER_DATE": "2025-01-01T00:00:00Z", **(env or {})}
+    out = subprocess.run(["git", *args], cwd=cwd, env=full, check=True, capture_output=True)
+    return out.stdout.decode().strip()
+
+
+def lines(prefix: str, n: int) -> str:
+    return "".join(f"{prefix} line {i}\n" for i in range(1, n + 1))
+
+
+def _write(root: Path, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+
+
+def make_upstream(path: Path, files: dict[str, str], gitlinks: dict[str, str] | None = None,
+                  extra_commit: dict[str, str] | None = None) -> tuple[str, str]:
+    """A repository with one commit (the pinned one) and maybe a later tip on main."""
+    path.mkdir(parents=True)
+    git(path, "init", "-q", "-b", "main")
+    _write(path, files)
+    git(path, "add", "-A")
+    for rel, sha in (gitlinks or {}).items():
+        git(path, "update-index", "--add", "--cacheinfo", f"160000,{sha},{rel}")
+    git(path, "commit", "-q", "-m", "pinned upstream state")
+    pinned = git(path, "rev-parse", "HEAD")
+    tip = pinned
+    if extra_commit:
+        _write(path, extra_commit)
+        git(path, "add", "-A")
+        git(path, "commit", "-q", "-m", "a later upstream commit",
+            env={"GIT_COMMITTER_DATE": "2025-02-01T00:00:00Z"})
+        tip = git(path, "rev-parse", "HEAD")
+    return pinned, tip
+
+
+def make_patch(upstream: Path, pinned: str, work: Path, edit: Callable[[Path], None],
+               base_edit: Callable[[Path], None] | None = None, mbox: bool = False,
+               subject: str = "a change") -> bytes:
+    """A patch made in a clone at ``pinned``; ``base_edit`` first moves its base elsewhere
+    (to make patches that need an offset, need fuzz, fail or are already in upstream)."""
+    if work.exists():
+        shutil.rmtree(work)
+    git(upstream.parent, "clone", "-q", str(upstream), str(work))
+    git(work, "checkout", "-q", pinned)
+    if base_edit:
+        base_edit(work)
+        git(work, "add", "-A")
+        git(work, "commit", "-q", "-m", "moved base")
+    edit(work)
+    git(work, "add", "-A")
+    env = {"GIT_AUTHOR_NAME": AUTHOR[0], "GIT_AUTHOR_EMAIL": AUTHOR[1]} if mbox else None
+    git(work, "commit", "-q", "-m", f"{subject}\n\nWhy it is needed.", env=env)
+    if mbox:
+        args = ["format-patch", "-1", "--stdout", "--no-signature"]
+    else:
+        args = ["diff", "--src-prefix=a/", "--dst-prefix=b/", "HEAD~1", "HEAD"]
+    data = subprocess.run(["git", *args], cwd=work, check=True, capture_output=True).stdout
+    shutil.rmtree(work)
+    return data
+
+
+def _replace(rel: str, old: str, new: str) -> Callable[[Path], None]:
+    def edit(root: Path) -> None:
+        p = root / rel
+        p.write_text(p.read_text().replace(old, new))
+    return edit
+
+
+def _chain(*edits: Callable[[Path], None]) -> Callable[[Path], None]:
+    def edit(root: Path) -> None:
+        for e in edits:
+            e(root)
+    return edit
+
+
+def _new_file(rel: str, text: str) -> Callable[[Path], None]:
+    return lambda root: _write(root, {rel: text})
+
+
+def _delete(rel: str) -> Callable[[Path], None]:
+    return lambda root: (root / rel).unlink()
+
+
+def _chmod_x(rel: str) -> Callable[[Path], None]:
+    def edit(root: Path) -> None:
+        p = root / rel
+        p.chmod(p.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return edit
+
+
+@dataclass
+class PatchSpec:
+    name: str
+    target: str
+    data: bytes
+    method: str = "plain"
+    own_file: bool = False  # in the project's patches/ dir rather than in the delivery
+    expect: str = "clean"  # what `patch check` must say
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.name}.patch"
+
+
+@dataclass
+class Upstreams:
+    root: Path
+    commits: dict[str, str]
+    tips: dict[str, str]
+    patches: dict[str, PatchSpec]
+    delivery_commit: str = ""
+    kitchen_sink: list[str] = field(default_factory=list)
+    good: list[str] = field(default_factory=list)
+    third_fails: list[str] = field(default_factory=list)
+
+    def url(self, name: str) -> str:
+        return (self.root / name).as_uri()
+
+
+MAIN_FILES = {
+    "README.md": "the tree root\n",
+    "src/core.c": lines("core", 30),
+    "src/old.c": lines("old", 5),
+    "src/shift.c": lines("shift", 40),
+    "src/fuzz.c": lines("fuzz", 30),
+    "src/done.c": lines("done", 10) + "already fixed upstream\n" + lines("tail", 5),
+    "src/bad.c": lines("bad", 20),
+    "tools/run.sh": "#!/bin/sh\necho run\n",
+    ".gitmodules": '[submodule "third_party/sub"]\n\tpath = third_party/sub\n'
+                   "\turl = https://example.invalid/someone-else/sub\n"
+                   '[submodule "third_party/lib"]\n\tpath = third_party/lib\n'
+                   "\turl = https://example.invalid/lib\n",
+}
+SUB_FILES = {"pkg/mod.py": lines("mod", 20), "pkg/other.py": lines("other", 12)}
+LIB_FILES = {"include/lib.h": "#pragma once\n"}
+
+
+def build_upstreams(root: Path) -> Upstreams:
+    root.mkdir(parents=True, exist_ok=True)
+    work = root / "_work"
+    lib_pin, _ = make_upstream(root / "lib", LIB_FILES)
+    sub_pin, _ = make_upstream(root / "sub", SUB_FILES)
+    stale_sub = "1" * 40  # main records another sub commit, as ktransformers does for sglang
+    main_pin, main_tip = make_upstream(
+        root / "main", MAIN_FILES,
+        gitlinks={"third_party/sub": stale_sub, "third_party/lib": lib_pin},
+        extra_commit={"NEWS": "later\n"})
+    up = root / "main"
+    specs = [
+        PatchSpec("main-core", "main", make_patch(
+            up, main_pin, work, _chain(_replace("src/core.c", "core line 15\n", "core line 15 patched\n"),
+                                       _new_file("src/new.c", "int added;\n")))),
+        PatchSpec("main-delete-and-mode", "main", make_patch(
+            up, main_pin, work, _chain(_delete("src/old.c"), _chmod_x("tools/run.sh")))),
+        PatchSpec("main-offset", "main", make_patch(
+            up, main_pin, work, _replace("src/shift.c", "shift line 20\n", "shift line 20 patched\n"),
+            base_edit=_replace("src/shift.c", lines("shift", 3), "")), expect="offset"),
+        PatchSpec("main-fuzz", "main", make_patch(
+            up, main_pin, work, _replace("src/fuzz.c", "fuzz line 15\n", "fuzz line 15 patched\n"),
+            base_edit=_replace("src/fuzz.c", "fuzz line 12\n", "fuzz line 12 elsewhere\n")),
+            expect="fuzz"),
+        PatchSpec("main-already-upstream", "main", make_patch(
+            up, main_pin, work, _replace("src/done.c", "done line 10\n",
+                                         "done line 10\nalready fixed upstream\n"),
+            base_edit=_replace("src/done.c", "already fixed upstream\n", "")),
+            expect="already-upstream"),
+        PatchSpec("main-bad", "main", make_patch(
+            up, main_pin, work, _replace("src/bad.c", "bad line 10\n", "bad line 10 patched\n"),
+            base_edit=lambda r: _write(r, {"src/bad.c": lines("different", 20).replace(
+                "different line 10", "bad line 10")})), expect="fails"),
+        PatchSpec("sub-mbox", "sub", make_patch(
+            root / "sub", sub_pin, work, _replace("pkg/mod.py", "mod line 5\n", "mod line 5 mailed\n"),
+            mbox=True, subject="sub: a mailed fix"), method="mbox"),
+        PatchSpec("sub-own", "sub", make_patch(
+            root / "sub", sub_pin, work, _new_file("pkg/ours.py", "ours = True\n")), own_file=True),
+        PatchSpec("sub-fails", "sub", make_patch(
+            root / "sub", sub_pin, work, _replace("pkg/other.py", "other line 6\n", "other line 6 x\n"),
+            base_edit=lambda r: _write(r, {"pkg/other.py": lines("nope", 12).replace(
+                "nope line 6", "other line 6")})), expect="fails"),
+    ]
+    patches = {s.name: s for s in specs}
+    delivery_files = {f"{DELIVERY_DIR}/{s.file_name}": s.data.decode() for s in specs
+                      if not s.own_file}
+    delivery_pin, _ = make_upstream(root / "delivery", delivery_files)
+    return Upstreams(
+        root, {"main": main_pin, "sub": sub_pin, "lib": lib_pin, "delivery": delivery_pin},
+        {"main": main_tip}, patches, delivery_pin,
+        kitchen_sink=["main-core", "main-delete-and-mode", "main-offset", "main-fuzz",
+                      "main-already-upstream", "main-bad", "sub-mbox", "sub-own", "sub-fails"],
+        good=["main-core", "main-delete-and-mode", "main-offset", "sub-mbox", "sub-own"],
+        third_fails=["main-core", "main-delete-and-mode", "main-bad", "sub-mbox"],
+    )
+
+
+@dataclass
+class Project:
+    """A recipe + series (+ own patch files) in a temp dir, pointing at the upstreams."""
+
+    dir: Path
+    recipe: Path
+    series: Path
+    upstreams: Upstreams
+
+    def cli(self, workspace: Path) -> list[str]:
+        return ["--workspace", str(workspace), "--recipe", str(self.recipe)]
+
+
+def write_project(dir: Path, up: Upstreams, names: list[str],
+                  urls: dict[str, str] | None = None, mirrors: dict[str, list[str]] | None = None,
+                  refs: dict[str, str] | None = None) -> Project:
+    dir.mkdir(parents=True, exist_ok=True)
+    patches_dir = dir / "patches"
+    patches_dir.mkdir(exist_ok=True)
+    entries = []
+    for name in names:
+        spec = up.patches[name]
+        if spec.own_file:
+            (patches_dir / spec.file_name).write_bytes(spec.data)
+            origin = {"file": spec.file_name}
+        else:
+            origin = {"source": "delivery", "path": f"{DELIVERY_DIR}/{spec.file_name}"}
+        entries.append({"name": name, "target": spec.target, "origin": origin,
+                        "sha256": spec.sha256, "strip": 1, "method": spec.method,
+                        "upstream": "local", "description": f"test patch {name}"})
+    series = patches_dir / "test-series.yaml"
+    series.write_text("# test series\n" + yaml.safe_dump(
+        {"schema": 1, "name": "test-series", "patches": entries}, sort_keys=False))
+    urls = urls or {}
+    refs = refs or {"main": "main"}
+
+    def source(name: str, path: str, **extra: object) -> dict[str, object]:
+        out: dict[str, object] = {"name": name, "url": urls.get(name, up.url(name)),
+                                  "commit": up.commits[name], "path": path}
+        if mirrors and name in mirrors:
+            out["mirrors"] = mirrors[name]
+        if name in refs:
+            out["ref"] = refs[name]
+        out.update(extra)
+        return out
+
+    doc = yaml.safe_load(BUNDLED_RECIPE.read_text())
+    doc.update(name="test-recipe", series="patches/test-series.yaml", delivery="delivery",
+               tree_root="main", sources=[
+                   source("main", "src/main"),
+                   source("sub", "src/main/third_party/sub"),
+                   source("lib", "src/main/third_party/lib", submodule_of="main", patched=False),
+                   source("delivery", "src/delivery", patched=False),
+               ])
+    if doc.get("conversion", {}).get("digests_manifest"):
+        doc["conversion"]["digests_manifest"]["source"] = "delivery"
+    recipe = dir / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+    return Project(dir, recipe, series, up)
+
+
+@pytest.fixture(scope="session")
+def upstreams(tmp_path_factory: pytest.TempPathFactory) -> Upstreams:
+    return build_upstreams(tmp_path_factory.mktemp("upstreams"))
+
+
+@pytest.fixture
+def git_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private git config and cache: the developer's settings never leak in."""
+    config = tmp_path / "gitconfig"
+    config.write_text("")
+    monkeypatch.setenv("GIT_CONFIG_GLOBAL", str(config))
+    monkeypatch.setenv("GIT_CONFIG_NOSYSTEM", "1")
+    monkeypatch.setenv("DSV4_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("DSV4_MIRRORS", raising=False)
+    yield config
+
+
+def refusing_env() -> dict[str, str]:
+    """Protocol v0 without allowReachableSHA1InWant: the host refuses unadvertised SHAs."""
+    return {"GIT_CONFIG_COUNT": "1", "GIT_CONFIG_KEY_0": "protocol.version",
+            "GIT_CONFIG_VALUE_0": "0"}
+
+
+def run_cli(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, dict]:
+    """The real entry point with --json; returns the exit code and the JSON document."""
+    import json
+
+    from dsv4_offload.cli import main
+
+    capsys.readouterr()
+    try:
+        main(["--json", *args])
+        code = 0
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out = capsys.readouterr().out
+    return code, (json.loads(out) if out.strip() else {})
+
+
+def cli_subprocess(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-m", "dsv4_offload", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            start_new_session=True)
+
+
+def repo_state(path: Path) -> dict[str, str]:
+    """What a user would compare: HEAD, its tree, and the work-tree status."""
+    return {"head": git(path, "rev-parse", "HEAD"), "tree": git(path, "rev-parse", "HEAD^{tree}"),
+            "status": git(path, "status", "--porcelain", "--ignore-submodules=all")}
+
+
+def write_git_shim(dir: Path, block_on: str, nth: int, reached: Path) -> Path:
+    """A ``git`` on PATH that runs the real one but blocks at the nth ``block_on`` command,
+    so a test can SIGKILL the tool at a known point in the middle of an apply."""
+    real = shutil.which("git")
+    dir.mkdir(parents=True, exist_ok=True)
+    counter = dir / "count"
+    shim = dir / "git"
+    shim.write_text(f"""#!/bin/sh
+case " $* " in
+  *" {block_on} "*)
+    n=$(cat "{counter}" 2>/dev/null || echo 0); n=$((n+1)); echo "$n" > "{counter}"
+    if [ "$n" -eq {nth} ]; then touch "{reached}"; sleep 120; fi ;;
+esac
+exec "{real}" "$@"
+""")
+    shim.chmod(0o755)
+    return dir
