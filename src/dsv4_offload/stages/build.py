@@ -1,0 +1,408 @@
+"""The build stage: the recipe's build steps (kt-kernel, gguf-py, sglang, the AscendC op).
+
+1. Preflight: the build python exists and is the recipe's ``host.python`` (the extension
+   binds to the interpreter that builds it); steps that compile natively (``build_ext``)
+   need cmake, a C compiler and the hwloc/numa headers.
+2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
+   ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python, its
+   output in ``logs/build/<step>.log``.
+3. Its log (this run's part) must match every ``expect_markers`` and no ``forbid_markers``
+   entry. Markers are Python regular expressions searched line by line (``re.search``); plain
+   text without metacharacters matches itself, the same rule as the acceptance log markers.
+4. ``check_import`` runs ``<python> -c "import X"`` with the PYTHONPATH the server gets
+   (:func:`runtime_pythonpath`); for kt-kernel that needs a ``kt_kernel -> python`` link.
+5. An optional step that fails is a warning; one whose compiler is missing is skipped.
+6. Configuring kt-kernel's CMake inside a git work tree installs commit hooks into that
+   repo: hooks that appear during the build are reported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_offload.errors import InputError
+from dsv4_offload.recipe import BuildStep, Recipe
+from dsv4_offload.runner import CommandFailed, failure_excerpt, run_command
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.workspace import Workspace
+
+# the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)
+NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
+                  "numa.h": ("libnuma-dev", "numactl-devel")}
+# compilers a step may call by name that do not come from apt (bisheng ships with CANN)
+TOOLS_BY_NAME = ("bisheng", "cmake", "ninja", "make")
+PRODUCT_GLOBS = ("*kt_kernel_ext*.so", "libmxfp4fused.so")
+KT_KERNEL_STEP = "kt-kernel"
+KT_KERNEL_PACKAGE = ("kt_kernel", "python")  # `import kt_kernel` = kt-kernel/python
+RUNTIME_STEPS = ("kt-kernel", "sglang")  # their workdirs go on the server's PYTHONPATH
+_QUICK_TIMEOUT_S = 60.0
+
+
+@dataclass
+class StepReport:
+    name: str
+    status: str = "pending"  # ok | warn | failed | skipped
+    seconds: float = 0.0
+    log: str = ""
+    message: str = ""
+    products: list[str] = field(default_factory=list)
+    hooks_added: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "seconds": round(self.seconds, 1), "log": self.log,
+                "message": self.message, "products": self.products,
+                "hooks_added": self.hooks_added}
+
+
+# --- facts shared with other stages ---------------------------------------------------------
+
+
+def build_python(ctx: StageContext) -> str:
+    return str(ctx.option("python") or ctx.recipe.build.python)
+
+
+def runtime_pythonpath(workspace: Workspace, recipe: Recipe) -> list[Path]:
+    """Directories the server's python needs on PYTHONPATH: sglang's and kt-kernel's."""
+    return [workspace.root / s.workdir for s in recipe.build.steps if s.name in RUNTIME_STEPS]
+
+
+def selected_steps(ctx: StageContext) -> list[BuildStep]:
+    names = list(ctx.option("steps") or [])
+    known = [s.name for s in ctx.recipe.build.steps]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise InputError(f"build: unknown step '{unknown[0]}'; the recipe's build.steps are: "
+                         f"{', '.join(known)}")
+    return [s for s in ctx.recipe.build.steps if not names or s.name in names]
+
+
+# --- fingerprint ----------------------------------------------------------------------------
+
+
+def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
+    """Interpreter and compiler versions, and the HEAD of every patched source."""
+    python = build_python(ctx)
+    cc = ctx.recipe.platform.cc or "gcc"
+    out = {
+        "python": python_version(python) or "missing",
+        "cc": _first_line([cc, "--version"]) or "missing",
+        "cmake": _first_line(["cmake", "--version"]) or "missing",
+    }
+    for source in ctx.recipe.sources:
+        if source.patched:
+            out[f"head.{source.name}"] = git_head(ctx.workspace.root / source.path) or "missing"
+    return out
+
+
+def _first_line(args: list[str]) -> str | None:
+    try:
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=_QUICK_TIMEOUT_S,
+                              stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (proc.stdout or proc.stderr).strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def python_version(python: str) -> str | None:
+    return _first_line([python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"])
+
+
+def git_head(path: Path) -> str | None:
+    # a plain `git rev-parse` (not GitPython): `status` computes this for every source and
+    # must stay fast
+    if not path.is_dir():
+        return None
+    return _first_line(["git", "-C", str(path), "rev-parse", "HEAD"])
+
+
+# --- preflight ------------------------------------------------------------------------------
+
+
+def needs_toolchain(step: BuildStep) -> bool:
+    """Steps that compile C/C++ through setup.py (kt-kernel): cmake, cc, hwloc, numa."""
+    return "build_ext" in step.command
+
+
+def missing_headers(cc: str, headers: list[str], env: dict[str, str]) -> list[str]:
+    """Headers the compiler cannot find, asked of the compiler itself (honours CPATH etc.)."""
+    missing = []
+    for header in headers:
+        try:
+            proc = subprocess.run([cc, "-xc", "-E", "-", "-o", os.devnull],
+                                  input=f"#include <{header}>\n", capture_output=True,
+                                  text=True, env=env, timeout=_QUICK_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired):
+            missing.append(header)
+            continue
+        if proc.returncode != 0:
+            missing.append(header)
+    return missing
+
+
+def preflight(ctx: StageContext, python: str, steps: list[BuildStep],
+              env: dict[str, str]) -> list[Problem]:
+    problems: list[Problem] = []
+    want = ctx.recipe.host.python
+    found = python_version(python)
+    if found is None:
+        problems.append(Problem(
+            "error", f"build python '{python}' not found or not runnable",
+            fix=f"install python {want} (with its -dev headers) or pass --python PATH "
+            "(recipe build.python)", check="python"))
+    elif not (found == want or found.startswith(want + ".")):
+        problems.append(Problem(
+            "error", f"build python '{python}' is {found}, the recipe wants {want} "
+            "(host.python): the kt-kernel extension binds to the interpreter that builds it",
+            fix=f"pass --python /path/to/python{want} or set build.python", check="python"))
+    if any(needs_toolchain(s) for s in steps):
+        cc = env.get("CC") or "gcc"
+        installs = {"cmake": "apt-get install cmake (yum install cmake)",
+                    cc: f"apt-get install build-essential (or the package of {cc}, e.g. "
+                        "gcc-13 for the A3 recipe)"}
+        for tool, how in installs.items():
+            if shutil.which(tool, path=env.get("PATH")) is None:
+                problems.append(Problem(
+                    "error", f"'{tool}' not found on PATH (needed to build kt-kernel)",
+                    fix=how, check=tool))
+        if shutil.which(cc, path=env.get("PATH")) is not None:
+            for header in missing_headers(cc, list(NATIVE_HEADERS), env):
+                deb, rpm = NATIVE_HEADERS[header]
+                problems.append(Problem(
+                    "error", f"{header} not found by {cc} (kt-kernel links it)",
+                    fix=f"apt-get install {deb} (yum install {rpm})", check=header))
+    return problems
+
+
+# --- the stage ------------------------------------------------------------------------------
+
+
+def step_env(ctx: StageContext, step: BuildStep | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    if ctx.recipe.platform.cc:
+        env["CC"] = ctx.recipe.platform.cc
+    if ctx.recipe.platform.cxx:
+        env["CXX"] = ctx.recipe.platform.cxx
+    if step is not None:
+        env.update(step.env)
+    return env
+
+
+def run(ctx: StageContext) -> StageResult:
+    steps = selected_steps(ctx)
+    python = build_python(ctx)
+    problems = preflight(ctx, python, steps, step_env(ctx))
+    data: dict[str, Any] = {"python": python, "steps": {}}
+    if any(p.severity == "error" for p in problems):
+        return StageResult(Status.FAILED, "build preflight failed", data=data, problems=problems,
+                           log=str(ctx.log_dir))
+    hooks_dir = _hooks_dir(ctx.workspace.tree_dir(ctx.recipe))
+    reports: list[StepReport] = []
+    for step in steps:
+        report = run_step(ctx, step, python, hooks_dir)
+        reports.append(report)
+        data["steps"][step.name] = report.as_dict()
+        if report.status == "failed":
+            problems.append(Problem("error", f"{step.name}: {report.message}",
+                                    fix=_fix_for(step, report), check=step.name))
+            break
+        if report.status in ("warn", "skipped"):
+            problems.append(Problem("warning", f"{step.name}: {report.message}",
+                                    fix=_fix_for(step, report), check=step.name))
+        if report.hooks_added:
+            problems.append(Problem(
+                "warning", f"{step.name}: the build installed git hooks into "
+                f"{hooks_dir}: {', '.join(report.hooks_added)}",
+                fix="nothing is needed for dsv4-offload (the patch stage commits with hooks "
+                f"disabled); remove them if you commit there by hand: rm {hooks_dir}/<name>",
+                check="git-hooks"))
+    failed = [r for r in reports if r.status == "failed"]
+    outputs = _outputs(ctx, python, reports)
+    not_built = [s.name for s in ctx.recipe.build.steps
+                 if not s.optional and s.name not in outputs["steps"]]
+    if not failed and not_built:
+        problems.append(Problem(
+            "warning", f"not built yet: {', '.join(not_built)}",
+            fix="run `dsv4-offload build` (all steps) before serving", check="steps"))
+    durations = ", ".join(f"{r.name} {r.status} {r.seconds:.0f}s" for r in reports)
+    if failed:
+        return StageResult(Status.FAILED, f"build step {failed[0].name} failed ({durations})",
+                           data=data, problems=problems, log=failed[0].log)
+    status = Status.WARN if any(p.severity == "warning" for p in problems) else Status.OK
+    return StageResult(status, f"built: {durations}", data=data, problems=problems,
+                       outputs=outputs, log=str(ctx.log_dir))
+
+
+def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[str, Any]:
+    """What serve depends on; steps not run this time keep their earlier record."""
+    previous = ctx.workspace.read_state().get("stages", {}).get("build", {})
+    steps: dict[str, Any] = {}
+    if previous.get("status") == "done":
+        steps.update((previous.get("outputs") or {}).get("steps") or {})
+    for r in reports:
+        if r.status in ("ok", "warn"):
+            steps[r.name] = {"products": r.products}
+        else:
+            steps.pop(r.name, None)
+    return {"python": python, "python_version": python_version(python), "steps": steps,
+            "pythonpath": [str(p) for p in runtime_pythonpath(ctx.workspace, ctx.recipe)]}
+
+
+def _fix_for(step: BuildStep, report: StepReport) -> str:
+    if report.status == "skipped":
+        return report.message.split("; ", 1)[-1] if "; " in report.message else ""
+    return f"read the log ({report.log}), fix the cause, then `dsv4-offload build {step.name}`"
+
+
+def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | None
+             ) -> StepReport:
+    report = StepReport(step.name)
+    workdir = ctx.workspace.root / step.workdir
+    log = ctx.log_dir / f"{step.name}.log"
+    report.log = str(log)
+    if not workdir.is_dir():
+        report.status = "failed"
+        report.message = (f"{workdir} does not exist; run `dsv4-offload fetch` and "
+                          "`dsv4-offload patch apply` first")
+        return report
+    env = step_env(ctx, step)
+    argv = [python if a == "{python}" else a.replace("{python}", python) for a in step.command]
+    absent = [t for t in _tools_named(argv) if shutil.which(t, path=env.get("PATH")) is None]
+    if absent:
+        report.status = "skipped" if step.optional else "failed"
+        report.message = (f"'{absent[0]}' is not on PATH; "
+                          + ("install CANN's toolkit and source its set_env.sh to build it"
+                             if absent[0] == "bisheng" else f"install {absent[0]}"))
+        return report
+    if step.name == KT_KERNEL_STEP:
+        link_kt_kernel_package(workdir)
+    hooks_before = _hooks(hooks_dir)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    offset = log.stat().st_size if log.exists() else 0
+    t0 = time.monotonic()
+    with ctx.task(f"build {step.name}") as task:
+        result = run_command(argv, log=log, cwd=workdir, env=env, check=False,
+                             on_line=lambda line: task.update(
+                                 description=f"build {step.name}: {line[:60]}"))
+    report.seconds = time.monotonic() - t0
+    report.hooks_added = sorted(_hooks(hooks_dir) - hooks_before)
+    if result.returncode != 0:
+        excerpt = failure_excerpt(result.tail)
+        tail = f": {excerpt[-1]}" if excerpt else ""
+        return _fail(report, step, f"exit code {result.returncode}{tail} (see the log: {log})")
+    text = _read_from(log, offset)
+    for marker in step.expect_markers:
+        if not _compile(marker, step, "expect_markers").search(text):
+            return _fail(report, step, f"expected log marker '{marker}' not found "
+                                       f"(see the log: {log})")
+    for marker in step.forbid_markers:
+        hit = _compile(marker, step, "forbid_markers").search(text)
+        if hit:
+            line = text[text.rfind("\n", 0, hit.start()) + 1:].split("\n", 1)[0].strip()
+            return _fail(report, step, f"forbidden log marker '{marker}' found: "
+                                       f"'{line[:120]}' (see the log: {log})")
+    if step.check_import:
+        error = check_import(python, step.check_import, runtime_pythonpath(
+            ctx.workspace, ctx.recipe), env, log)
+        if error:
+            return _fail(report, step, f"`import {step.check_import}` fails: {error} "
+                                       f"(see the log: {log})")
+    report.products = _products(workdir)
+    report.status = "ok"
+    report.message = f"{report.seconds:.0f}s"
+    return report
+
+
+def _fail(report: StepReport, step: BuildStep, message: str) -> StepReport:
+    report.status = "warn" if step.optional else "failed"
+    report.message = message + (" (optional step: continuing)" if step.optional else "")
+    return report
+
+
+def _compile(marker: str, step: BuildStep, field_name: str) -> re.Pattern[str]:
+    try:
+        return re.compile(marker, re.MULTILINE)
+    except re.error as exc:
+        raise InputError(f"build.steps[{step.name}].{field_name}: '{marker}' is not a valid "
+                         f"regular expression ({exc}); escape metacharacters with '\\'") from None
+
+
+def _tools_named(argv: list[str]) -> list[str]:
+    """The program and any known compiler a shell snippet calls by name."""
+    tools = [argv[0]] if argv and "/" not in argv[0] else []
+    joined = " ".join(argv[1:])
+    tools += [t for t in TOOLS_BY_NAME if re.search(rf"(^|[\s;&|(]){t}(\s|$)", joined)]
+    return tools
+
+
+def _read_from(log: Path, offset: int) -> str:
+    with open(log, encoding="utf-8", errors="replace") as fh:
+        fh.seek(offset)
+        return fh.read()
+
+
+def check_import(python: str, module: str, pythonpath: list[Path], env: dict[str, str],
+                 log: Path) -> str | None:
+    """None when ``module`` imports with the server's PYTHONPATH; else the error's last line."""
+    env = dict(env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    try:
+        result = run_command([python, "-c", f"import {module}"], log=log, env=env, check=True,
+                             timeout=300)
+    except CommandFailed as exc:
+        lines = [x for x in exc.result.tail if x.strip()]
+        return lines[-1].strip() if lines else f"exit code {exc.result.returncode}"
+    return None if result.returncode == 0 else f"exit code {result.returncode}"
+
+
+def link_kt_kernel_package(kt_kernel_dir: Path) -> None:
+    """Make `import kt_kernel` work from kt-kernel/: a `kt_kernel -> python` link (idempotent)."""
+    name, target = KT_KERNEL_PACKAGE
+    link = kt_kernel_dir / name
+    if not (kt_kernel_dir / target).is_dir():
+        return  # not this layout: the import check will say what is wrong
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    if link.exists() or link.is_symlink():
+        if link.is_symlink():
+            link.unlink()
+        else:
+            return  # a real directory someone made: leave it alone
+    tmp = kt_kernel_dir / f".{name}.link-tmp"
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)  # atomic: never a moment without a link on a rerun
+
+
+def _products(workdir: Path) -> list[str]:
+    found: set[str] = set()
+    for pattern in PRODUCT_GLOBS:
+        for p in workdir.rglob(pattern):
+            if "build" not in p.relative_to(workdir).parts[:1]:  # skip CMake's temp copies
+                found.add(p.relative_to(workdir).as_posix())
+    return sorted(found)
+
+
+def _hooks_dir(tree: Path) -> Path | None:
+    if not tree.is_dir():
+        return None
+    path = _first_line(["git", "-C", str(tree), "rev-parse", "--git-path", "hooks"])
+    if path is None:
+        return None
+    hooks = Path(path)
+    return hooks if hooks.is_absolute() else tree / hooks
+
+
+def _hooks(hooks_dir: Path | None) -> set[str]:
+    if hooks_dir is None or not hooks_dir.is_dir():
+        return set()
+    return {p.name for p in hooks_dir.iterdir() if p.is_file() and not p.name.endswith(".sample")}

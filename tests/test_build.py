@@ -1,0 +1,275 @@
+"""The build stage on a workspace laid out by the test, with steps that are tiny real programs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from dsv4_offload.errors import InputError
+from dsv4_offload.recipe import BUNDLED_RECIPES, load_recipe_and_series
+from dsv4_offload.stage import StageContext, Status
+from dsv4_offload.stages import build
+from dsv4_offload.workspace import Workspace
+
+KT = "src/ktransformers/kt-kernel"
+SGL = "src/ktransformers/third_party/sglang/python"
+ASCENDC = "src/cann-recipes-infer/ascendc_mxfp4"
+
+# stands in for kt-kernel's setup.py: prints the configure lines the recipe expects and
+# leaves the extension in the package dir, as `build_ext --inplace` does
+KT_BUILD = """\
+import os, sys
+print("-- LLAMA_ARM_DOTPROD=ON")
+print("-- CPUINFER_ARM_SVE=" + os.environ.get("CPUINFER_ARM_SVE", "?"))
+print(os.environ.get("KT_EXTRA_LINE", "-- Found Ascend CL library: /usr/local/Ascend/lib64"))
+open("python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so", "wb").close()
+open("cc-seen.txt", "w").write(os.environ.get("CC", "") + " " + sys.executable)
+sys.exit(int(os.environ.get("KT_EXIT", "0")))
+"""
+
+
+def kt_step(**extra: Any) -> dict[str, Any]:
+    step = {"name": "kt-kernel", "workdir": KT, "command": ["{python}", "fake_setup.py"],
+            "env": {"CPUINFER_ARM_SVE": "OFF"},
+            "expect_markers": ["LLAMA_ARM_DOTPROD=ON", r"Found Ascend CL library"],
+            "forbid_markers": ["llamafile not supported"], "check_import": "kt_kernel"}
+    step.update(extra)
+    return step
+
+
+def sglang_step(**extra: Any) -> dict[str, Any]:
+    step = {"name": "sglang", "workdir": SGL,
+            "command": ["{python}", "-c", "print('Successfully installed sglang')"],
+            "expect_markers": ["Successfully installed"], "check_import": "sglang"}
+    step.update(extra)
+    return step
+
+
+def ascendc_step(**extra: Any) -> dict[str, Any]:
+    step = {"name": "ascendc-op", "workdir": ASCENDC, "optional": True,
+            "command": ["bash", "-c", "bisheng -O2 k.cpp -o libmxfp4fused.so"]}
+    step.update(extra)
+    return step
+
+
+def lay_out(root: Path) -> None:
+    """The checkouts the fetch and patch stages would leave, reduced to what builds touch."""
+    kt = root / KT
+    (kt / "python").mkdir(parents=True)
+    (kt / "python" / "__init__.py").write_text("from pathlib import Path\nHERE = Path(__file__)\n")
+    (kt / "fake_setup.py").write_text(KT_BUILD)
+    sgl = root / SGL / "sglang"
+    sgl.mkdir(parents=True)
+    (sgl / "__init__.py").write_text("VERSION = 'test'\n")
+    (root / ASCENDC).mkdir(parents=True)
+    # sglang is its own checkout inside the ktransformers tree, as the fetch stage lays it out
+    for repo in (root / "src/ktransformers/third_party/sglang", root / "src/ktransformers"):
+        for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "tree"]):
+            subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+def make_ctx(root: Path, recipe_steps: list[dict[str, Any]], *, sets: dict[str, Any] | None = None,
+             **options: Any) -> StageContext:
+    doc = yaml.safe_load((BUNDLED_RECIPES / "dsv4-flash-910b.yaml").read_text())
+    doc["build"] = {"python": sys.executable, "steps": recipe_steps}
+    doc["series"] = str(BUNDLED_RECIPES.parent / "patches" / "dsv4-flash.yaml")
+    for dotted, value in (sets or {}).items():
+        node = doc
+        *parents, last = dotted.split(".")
+        for part in parents:
+            node = node[part]
+        node[last] = value
+    path = root.parent / f"{root.name}-recipe.yaml"
+    path.write_text(yaml.safe_dump(doc, allow_unicode=True))
+    recipe, series = load_recipe_and_series(str(path))
+    return StageContext(recipe=recipe, series=series, workspace=Workspace(root),
+                        options=options, stage="build")
+
+
+@pytest.fixture
+def ws(tmp_path: Path) -> Path:
+    root = tmp_path / "ws"
+    lay_out(root)
+    return root
+
+
+def errors(result: Any) -> list[str]:
+    return [p.message for p in result.problems if p.severity == "error"]
+
+
+def test_steps_run_markers_match_products_import(ws: Path) -> None:
+    ctx = make_ctx(ws, [kt_step(), sglang_step(), ascendc_step()])
+    result = build.run(ctx)
+    assert result.status is Status.WARN, result.problems  # the optional op is skipped
+    steps = result.data["steps"]
+    assert steps["kt-kernel"]["status"] == "ok"
+    assert steps["sglang"]["status"] == "ok"
+    assert steps["ascendc-op"]["status"] == "skipped"
+    assert "bisheng" in steps["ascendc-op"]["message"]
+    assert os.readlink(ws / KT / "kt_kernel") == "python"
+    ext = "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so"
+    assert steps["kt-kernel"]["products"] == [ext]
+    log = ws / "logs" / "build" / "kt-kernel.log"
+    assert "CPUINFER_ARM_SVE=OFF" in log.read_text()  # the step's env reached the command
+    assert result.outputs["steps"].keys() == {"kt-kernel", "sglang"}
+    assert [str(ws / KT), str(ws / SGL)] == result.outputs["pythonpath"]
+
+
+def test_missing_marker_fails_naming_it_and_the_log(ws: Path, monkeypatch: pytest.MonkeyPatch
+                                                    ) -> None:
+    monkeypatch.setenv("KT_EXTRA_LINE", "-- Could NOT find Ascend CL")
+    result = build.run(make_ctx(ws, [kt_step(), sglang_step()]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert "expected log marker 'Found Ascend CL library' not found" in msg
+    assert str(ws / "logs" / "build" / "kt-kernel.log") in msg
+    assert "sglang" not in result.data["steps"]  # stops at the first failure
+
+
+def test_forbidden_marker_fails_quoting_the_line(ws: Path, monkeypatch: pytest.MonkeyPatch
+                                                 ) -> None:
+    monkeypatch.setenv("KT_EXTRA_LINE", "RuntimeError: llamafile not supported on this CPU "
+                                        "-- Found Ascend CL library")
+    result = build.run(make_ctx(ws, [kt_step()]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert "forbidden log marker 'llamafile not supported' found" in msg
+    assert "RuntimeError: llamafile not supported on this CPU" in msg
+
+
+def test_failing_command_shows_excerpt_and_log(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KT_EXIT", "3")
+    monkeypatch.setenv("KT_EXTRA_LINE", "error: hwloc.h: No such file or directory")
+    result = build.run(make_ctx(ws, [kt_step()]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert "exit code 3: error: hwloc.h: No such file or directory" in msg
+    assert "see the log: " + str(ws / "logs" / "build" / "kt-kernel.log") in msg
+    assert result.log == str(ws / "logs" / "build" / "kt-kernel.log")
+
+
+def test_optional_step_failing_is_a_warning(ws: Path) -> None:
+    failing = ascendc_step(command=["bash", "-c", "echo 'op build error: no tikcfw'; exit 1"])
+    result = build.run(make_ctx(ws, [failing, sglang_step()]))
+    assert result.status is Status.WARN
+    assert result.data["steps"]["ascendc-op"]["status"] == "warn"
+    assert result.data["steps"]["sglang"]["status"] == "ok"  # later steps still run
+    assert any("optional step" in p.message for p in result.problems)
+
+
+def test_import_check_failing_fails(ws: Path) -> None:
+    (ws / SGL / "sglang" / "__init__.py").write_text("import torch_npu_not_here\n")
+    result = build.run(make_ctx(ws, [sglang_step()]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert "`import sglang` fails" in msg
+    assert "No module named 'torch_npu_not_here'" in msg
+
+
+def test_missing_workdir_says_fetch_and_patch_first(tmp_path: Path) -> None:
+    result = build.run(make_ctx(tmp_path / "empty", [sglang_step()]))
+    assert result.status is Status.FAILED
+    assert "run `dsv4-offload fetch` and `dsv4-offload patch apply` first" in errors(result)[0]
+
+
+def test_wrong_python_version_fails_preflight(ws: Path) -> None:
+    result = build.run(make_ctx(ws, [sglang_step()], sets={"host.python": "3.99"}))
+    assert result.status is Status.FAILED
+    assert "the recipe wants 3.99" in errors(result)[0]
+    assert "--python" in result.problems[0].fix
+    assert not (ws / "logs" / "build").exists()  # nothing ran
+
+
+def test_markers_only_count_this_runs_output(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert build.run(make_ctx(ws, [kt_step()])).ok
+    monkeypatch.setenv("KT_EXTRA_LINE", "-- Could NOT find Ascend CL")
+    again = build.run(make_ctx(ws, [kt_step()]))
+    assert again.status is Status.FAILED  # the first run's marker, still in the log, is ignored
+    assert os.readlink(ws / KT / "kt_kernel") == "python"  # the link survived the rerun
+
+
+def test_platform_compiler_and_python_option_reach_the_step(ws: Path) -> None:
+    ctx = make_ctx(ws, [kt_step()], sets={"platform.cc": "gcc-13"}, python=sys.executable)
+    assert build.run(ctx).ok
+    cc, python = (ws / KT / "cc-seen.txt").read_text().split(" ", 1)
+    assert cc == "gcc-13"
+    assert Path(python).resolve() == Path(sys.executable).resolve()
+
+
+def test_hooks_installed_by_the_build_are_reported(ws: Path) -> None:
+    script = KT_BUILD.replace(
+        "sys.exit(", "open('../.git/hooks/pre-commit', 'w').write('#!/bin/sh\\n')\nsys.exit(")
+    (ws / KT / "fake_setup.py").write_text(script)
+    result = build.run(make_ctx(ws, [kt_step()]))
+    assert result.status is Status.WARN
+    hooks = [p for p in result.problems if p.check == "git-hooks"]
+    assert hooks and "pre-commit" in hooks[0].message
+    assert result.data["steps"]["kt-kernel"]["hooks_added"] == ["pre-commit"]
+
+
+def test_fingerprint_follows_the_patched_heads(ws: Path) -> None:
+    ctx = make_ctx(ws, [kt_step()])
+    before = build.fingerprint_inputs(ctx)
+    assert before["python"].startswith("3.11")
+    tree = ws / "src/ktransformers"
+    (tree / "NEW").write_text("patched\n")
+    subprocess.run(["git", "-C", str(tree), "add", "NEW"], check=True)
+    subprocess.run(["git", "-C", str(tree), "commit", "-q", "-m", "a patch"], check=True)
+    after = build.fingerprint_inputs(ctx)
+    assert after["head.ktransformers"] != before["head.ktransformers"]
+    assert after["head.sglang"] == before["head.sglang"]
+    assert after["head.llama.cpp"] == "missing"  # not fetched in this layout
+
+
+def test_unknown_step_is_an_input_error(ws: Path) -> None:
+    with pytest.raises(InputError, match="unknown step 'cuda'"):
+        build.run(make_ctx(ws, [sglang_step()], steps=["cuda"]))
+
+
+def test_compiler_is_asked_for_headers(tmp_path: Path) -> None:
+    env = dict(os.environ)
+    assert build.missing_headers("gcc", ["dsv4_not_a_header.h", "stdio.h"], env) == [
+        "dsv4_not_a_header.h"]
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "dsv4_not_a_header.h").write_text("#define X 1\n")
+    env["CPATH"] = str(inc)
+    assert build.missing_headers("gcc", ["dsv4_not_a_header.h"], env) == []
+
+
+def test_native_step_preflight_names_the_apt_packages(ws: Path, tmp_path: Path) -> None:
+    # a PATH holding only gcc and a cmake stub, and no hwloc/numa headers anywhere it looks
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "cmake").write_text("#!/bin/sh\necho cmake version 3.28\n")
+    (bin_dir / "cmake").chmod(0o755)
+    os.symlink("/usr/bin/gcc", bin_dir / "gcc")
+    ctx = make_ctx(ws, [kt_step(command=["{python}", "setup.py", "build_ext", "--inplace"])])
+    env = {"PATH": str(bin_dir), "C_INCLUDE_PATH": ""}
+    problems = build.preflight(ctx, sys.executable, ctx.recipe.build.steps, env)
+    found = {p.check: p.fix for p in problems}
+    have = build.missing_headers("gcc", ["hwloc.h", "numa.h"], env)
+    for header in have:
+        assert header in found
+    if "hwloc.h" in have:
+        assert "libhwloc-dev" in found["hwloc.h"]
+    if "numa.h" in have:
+        assert "libnuma-dev" in found["numa.h"]
+    assert "cmake" not in found and "gcc" not in found
+    no_cmake = build.preflight(ctx, sys.executable, ctx.recipe.build.steps,
+                               {"PATH": str(tmp_path / "nowhere")})
+    assert any(p.check == "cmake" and "apt-get install cmake" in p.fix for p in no_cmake)
+
+
+def test_pythonpath_is_the_sglang_and_kt_kernel_dirs(ws: Path) -> None:
+    ctx = make_ctx(ws, [kt_step(), sglang_step(), ascendc_step()])
+    assert build.runtime_pythonpath(ctx.workspace, ctx.recipe) == [ws / KT, ws / SGL]
+    text = textwrap.dedent(str(build.__doc__))
+    assert "regular expressions" in text  # the marker rule is documented where users look
