@@ -1,0 +1,480 @@
+"""Supervising the server: its own process group, its log, readiness, known fatal lines, stop.
+
+The server always runs as the child of a process that waits on it: the tool itself in the
+foreground, or with --detach a small supervisor (``python -m dsv4_offload.supervisor SPEC``)
+started in a new session, because a reaped background parent takes sglang down with it.
+The supervisor writes ``Workspace.serve_record`` (pids, URL, log) atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import resource
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv4_offload.errors import Dsv4Error, InputError
+
+TAIL_LINES = 40
+NOFILE_WANTED = 65536  # the launcher raises the open-file limit for the 43 mmapped GGUFs
+SIGTERM_WAIT_S = 10.0
+SIGKILL_WAIT_S = 5.0
+
+
+# --- the known fatal log lines: one table ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FatalPattern:
+    key: str
+    pattern: re.Pattern[str]
+    cause: str
+    fix: str
+    retry_fewer_experts: bool = False
+
+
+FATAL_PATTERNS: tuple[FatalPattern, ...] = (
+    FatalPattern(
+        "kv-cache",
+        # sglang's model runner / pool configurator when the KV pool gets no memory
+        re.compile(r"Not enough memory\. Please try to increase --mem-fraction-static"
+                   r"|Raise --mem-fraction-static above|KV cache pool .*(fail|too small)", re.I),
+        "KV-cache setup failed: the resident NPU experts left too little HBM for the KV pool",
+        "lower serve.kt_num_gpu_experts (about 1 GB of HBM each) or serve.context_length",
+        retry_fewer_experts=True,
+    ),
+    FatalPattern(
+        "hbm-oom",
+        re.compile(r"NPU out of memory|ACL_ERROR_RT_MEMORY_ALLOCATION|EL0004"
+                   r"|aclrtMalloc.*fail|out of HBM", re.I),
+        "the NPU ran out of HBM while loading",
+        "pick an idle card (`npu-smi info`, then --device N), or lower "
+        "serve.kt_num_gpu_experts; keep serve.mem_fraction_static at 0.81",
+        retry_fewer_experts=True,
+    ),
+    FatalPattern(
+        "llamafile",
+        re.compile(r"llamafile not supported"),
+        "kt-kernel was built with ARM SVE (its MXFP4 MoE has no SVE path)",
+        "rebuild kt-kernel with CPUINFER_ARM_SVE=OFF CPUINFER_ARM_BF16=OFF "
+        "CPUINFER_ARM_I8MM=OFF: `dsv4-offload build kt-kernel` (the recipe sets them)",
+    ),
+    FatalPattern(
+        "numa",
+        re.compile(r"NUMA node \d+ not found|set_mempolicy.*(fail|Invalid argument)"),
+        "--kt-threadpool-count exceeds the host's NUMA nodes",
+        "the threadpool count must not exceed the NUMA nodes; check `dsv4-offload doctor` "
+        "and drop any --kt-threadpool-count from serve.extra_args",
+    ),
+    FatalPattern(
+        "libmxfp4fused",
+        re.compile(r"libmxfp4fused\.so.*(No such file|cannot open|not found|fail)"
+                   r"|(No such file|cannot open|not found).*libmxfp4fused\.so", re.I),
+        "the AscendC MXFP4 operator libmxfp4fused.so is missing (needed with KT_MXFP4_DEPOOL=1)",
+        "`dsv4-offload build ascendc-op` (needs bisheng from CANN), or --set "
+        "serve.env.KT_MXFP4_DEPOOL=0",
+    ),
+    FatalPattern(
+        "quant-type",
+        re.compile(r"(quant(ization)?[ _-]?type|ggml[ _]type|gguf type).{0,80}"
+                   r"(mismatch|does not match|unsupported|expected)", re.I),
+        "the GGUF tensors' quant type is not what kt-kernel expects (MXFP4, ggml type 39)",
+        "regenerate the GGUF with `dsv4-offload convert --force` and check it with "
+        "`dsv4-offload verify-gguf`",
+    ),
+)
+
+
+def match_fatal(line: str) -> FatalPattern | None:
+    for fatal in FATAL_PATTERNS:
+        if fatal.pattern.search(line):
+            return fatal
+    return None
+
+
+# --- process groups -------------------------------------------------------------------------
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return _group_has_live_member(pgid)
+
+
+def _group_has_live_member(pgid: int) -> bool:
+    """killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return True
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
+
+
+def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | None = None
+               ) -> str:
+    """SIGINT, then SIGTERM, then SIGKILL on the group, each after a wait; the one that did it."""
+    for sig, wait in ((signal.SIGINT, interrupt_wait), (signal.SIGTERM, SIGTERM_WAIT_S),
+                      (signal.SIGKILL, SIGKILL_WAIT_S)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return "already stopped"
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            if reap is not None:
+                reap()
+            if not group_alive(pgid):
+                return sig.name
+            time.sleep(0.05)
+    return "SIGKILL (still listed)"
+
+
+def pid_alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True
+    return state != "Z"
+
+
+def _raise_nofile() -> None:
+    with contextlib.suppress(ValueError, OSError):
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = NOFILE_WANTED if hard == resource.RLIM_INFINITY else min(NOFILE_WANTED, hard)
+        if soft < want:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+
+
+# --- the supervised child -------------------------------------------------------------------
+
+
+@dataclass
+class ServerProcess:
+    """The server as a child in its own process group, its output appended to ``log``."""
+
+    argv: list[str]
+    env: dict[str, str]
+    log: Path
+    cwd: Path | None = None
+    on_line: Callable[[str], None] | None = None
+    proc: subprocess.Popen[bytes] | None = None
+    tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
+    _pump: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "a", encoding="utf-8") as fh:
+            fh.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} $ {' '.join(self.argv)}\n")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=_raise_nofile,
+            )
+        except OSError as exc:
+            raise InputError(
+                f"cannot start the server {self.argv[0]!r} ({exc.strerror}); check "
+                "serve.python / serve.command in the recipe"
+            ) from None
+        self._pump = threading.Thread(target=self._copy_output, daemon=True)
+        self._pump.start()
+
+    def _copy_output(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        with open(self.log, "a", encoding="utf-8", errors="replace") as fh:
+            for raw in self.proc.stdout:
+                line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                fh.write(line + "\n")
+                fh.flush()
+                self.tail.append(line)
+                if self.on_line is not None:
+                    with contextlib.suppress(Exception):  # a display error must not stop the copy
+                        self.on_line(line)
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait(self, timeout: float | None = None) -> int:
+        assert self.proc is not None
+        code = self.proc.wait(timeout)
+        if self._pump is not None:
+            self._pump.join(timeout=5)
+        return code
+
+    def stop(self, interrupt_wait: float) -> str:
+        if self.proc is None:
+            return "not started"
+        how = stop_group(self.proc.pid, interrupt_wait=interrupt_wait, reap=self.proc.poll)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.wait(timeout=5)
+        return how
+
+
+# --- readiness ------------------------------------------------------------------------------
+
+
+@dataclass
+class Readiness:
+    ready: bool
+    reason: str  # "ready" | "exited" | "fatal" | "timeout"
+    seconds: float
+    exit_code: int | None = None
+    fatal: FatalPattern | None = None
+    fatal_line: str = ""
+    tail: list[str] = field(default_factory=list)
+
+
+class LogFollower:
+    """Reads the lines appended to a log file since the last call."""
+
+    def __init__(self, path: Path, offset: int | None = None) -> None:
+        self.path = path
+        self.offset = offset if offset is not None else _size(path)
+        self._partial = ""
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+
+    def new_lines(self) -> list[str]:
+        try:
+            with open(self.path, "rb") as fh:
+                fh.seek(self.offset)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        self.offset += len(data)
+        text = self._partial + data.decode("utf-8", errors="replace")
+        lines = text.split("\n")
+        self._partial = lines.pop()
+        self.tail.extend(lines)
+        return lines
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
+
+
+def wait_ready(url: str, health_paths: list[str], timeout: float, *, follower: LogFollower,
+               exit_code: Callable[[], int | None], poll_s: float = 0.5,
+               on_wait: Callable[[float], None] | None = None) -> Readiness:
+    """Wait until every health path answers 200, in order; stop at once on exit or a fatal line."""
+    import requests
+
+    session = requests.Session()
+    session.trust_env = False  # a proxy must never intercept a call to our own port
+    start = time.monotonic()
+    passed = 0
+    while True:
+        elapsed = time.monotonic() - start
+        for line in follower.new_lines():
+            fatal = match_fatal(line)
+            if fatal is not None:
+                return Readiness(False, "fatal", elapsed, fatal=fatal, fatal_line=line.strip(),
+                                 tail=list(follower.tail))
+        code = exit_code()
+        if code is not None:
+            time.sleep(0.2)  # let the last lines reach the log
+            lines = follower.new_lines()
+            fatal = next((f for f in map(match_fatal, lines) if f), None)
+            line = next((ln for ln in lines if match_fatal(ln)), "")
+            return Readiness(False, "fatal" if fatal else "exited", elapsed, exit_code=code,
+                             fatal=fatal, fatal_line=line.strip(), tail=list(follower.tail))
+        if elapsed > timeout:
+            return Readiness(False, "timeout", elapsed, tail=list(follower.tail))
+        if on_wait is not None:
+            on_wait(elapsed)
+        try:
+            per_request = max(1.0, min(30.0, timeout - elapsed))
+            resp = session.get(url + health_paths[passed], timeout=per_request)
+            if resp.status_code == 200:
+                passed += 1
+                if passed == len(health_paths):
+                    return Readiness(True, "ready", time.monotonic() - start,
+                                     tail=list(follower.tail))
+                continue
+        except requests.RequestException:
+            pass  # not listening yet
+        time.sleep(poll_s)
+
+
+# --- the detached supervisor ----------------------------------------------------------------
+
+
+@dataclass
+class ServeRecord:
+    """What ``Workspace.serve_record`` holds."""
+
+    supervisor_pid: int
+    server_pid: int | None
+    url: str
+    log: str
+    argv: list[str]
+    started: str
+    state: str = "starting"  # starting | running | exited | stopped
+    exit_code: int | None = None
+    kt_num_gpu_experts: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def read_record(path: Path) -> ServeRecord | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        return ServeRecord(**data)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        raise InputError(f"{path}: unreadable server record ({exc}); check no server runs "
+                         "(`ps`), then delete the file") from None
+
+
+def write_record(path: Path, record: ServeRecord) -> None:
+    from dsv4_offload.workspace import atomic_write_json
+
+    atomic_write_json(path, record.as_dict())
+
+
+def record_alive(record: ServeRecord | None) -> bool:
+    """Is the supervised server (or its supervisor) still there?"""
+    if record is None:
+        return False
+    return pid_alive(record.server_pid) or (record.state in ("starting", "running")
+                                            and pid_alive(record.supervisor_pid))
+
+
+def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) -> int:
+    """Start ``python -m dsv4_offload.supervisor SPEC`` in a new session; its pid."""
+    from dsv4_offload.workspace import atomic_write_json
+
+    atomic_write_json(spec_path, spec)
+    supervisor_log.parent.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    src = str(Path(__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+    with open(supervisor_log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dsv4_offload.supervisor", str(spec_path)],
+            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True, env=env, close_fds=True,
+        )
+    return proc.pid
+
+
+def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None, str]:
+    """Stop the recorded server's group (SIGINT, SIGTERM, SIGKILL) and its supervisor."""
+    record = read_record(path)
+    if record is None:
+        return None, "no server record"
+    how = "not running"
+    if record.server_pid and pid_alive(record.server_pid):
+        how = stop_group(record.server_pid, interrupt_wait=interrupt_wait)
+    deadline = time.monotonic() + SIGTERM_WAIT_S
+    while pid_alive(record.supervisor_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if pid_alive(record.supervisor_pid):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(record.supervisor_pid, signal.SIGKILL)
+    fresh = read_record(path) or record
+    fresh.state = "stopped"
+    write_record(path, fresh)
+    return fresh, how
+
+
+def supervise(spec: dict[str, Any]) -> int:
+    """The detached supervisor's body: run the server, keep the record, stop it on a signal."""
+    from dsv4_offload.workspace import now_iso
+
+    record_path = Path(spec["record"])
+    server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),
+                           cwd=Path(spec["cwd"]) if spec.get("cwd") else None)
+    stopping = threading.Event()
+
+    def _on_signal(signum: int, _frame: Any) -> None:
+        stopping.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, _on_signal)
+    try:
+        server.start()
+    except Dsv4Error as exc:
+        with open(spec["log"], "a", encoding="utf-8") as fh:
+            fh.write(f"=== could not start: {exc.one_line()}\n")
+        write_record(record_path, ServeRecord(
+            os.getpid(), None, spec["url"], spec["log"], spec["argv"], now_iso(), "exited", 127,
+            spec.get("kt_num_gpu_experts")))
+        return 127
+    record = ServeRecord(os.getpid(), server.pid, spec["url"], spec["log"], spec["argv"],
+                         now_iso(), "running", None, spec.get("kt_num_gpu_experts"),
+                         spec.get("extra", {}))
+    write_record(record_path, record)
+    while server.poll() is None and not stopping.is_set():
+        time.sleep(0.1)
+    if stopping.is_set() and server.poll() is None:
+        server.stop(float(spec.get("stop_timeout_s", 30)))
+    code = server.wait()
+    record.state, record.exit_code = ("stopped" if stopping.is_set() else "exited"), code
+    write_record(record_path, record)
+    return 0
+
+
+@contextlib.contextmanager
+def detached_guard(pid: int) -> Iterator[None]:
+    """Kill a just-spawned supervisor's session if the caller fails or is interrupted."""
+    try:
+        yield
+    except BaseException:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, signal.SIGTERM)
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m dsv4_offload.supervisor SPEC.json\n")
+        return 2
+    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    return supervise(spec)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,97 @@
+"""Shared by the serve and accept tests: a workspace ready to serve, the stand-in, leak checks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from dsv4_offload.host import HostFacts
+from dsv4_offload.recipe import load_recipe, load_series, resolve_series_path
+from dsv4_offload.stage import StageContext
+from dsv4_offload.workspace import Workspace
+
+STANDIN = Path(__file__).parent / "standin_server.py"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def no_npu_host(numa: int = 1, cores: int = 8) -> HostFacts:
+    return HostFacts(
+        arch="x86_64", cpu_model="test", cpu_flags=frozenset(), cores=cores,
+        numa_nodes=tuple(range(numa)), mem_total_kib=None, mem_available_kib=None, npus=(),
+        npu_smi=None, device_nodes={}, cann_version=None, cann_toolkit=None,
+        python_versions={}, tools={}, libraries={}, disk_free_bytes=None,
+    )
+
+
+def standin_overrides(tag: str, port: int, *args: str, timeout: float = 20) -> list[str]:
+    """--set overrides that make the real launcher start the stand-in on 127.0.0.1:port."""
+    command = [sys.executable, str(STANDIN), "--tag", tag, *args, "{flags}"]
+    quoted = ", ".join(f"'{c}'" for c in command)
+    return [f"serve.command=[{quoted}]", f"serve.port={port}", "serve.host=127.0.0.1",
+            f"serve.readiness_timeout_s={timeout}", "serve.stop_timeout_s=3",
+            "acceptance.request_timeout_s=5", "acceptance.throughput.prompt_buckets=[16, 64]",
+            "acceptance.throughput.new_tokens=16", "acceptance.throughput.repeats=2"]
+
+
+def make_workspace(root: Path) -> Workspace:
+    """A workspace whose GGUF layer files exist (empty: serve only checks their presence)."""
+    ws = Workspace(root)
+    recipe = load_recipe()
+    gguf = ws.gguf_dir(recipe)
+    gguf.mkdir(parents=True, exist_ok=True)
+    for layer in range(recipe.conversion.layers):
+        (gguf / recipe.conversion.file_name(layer)).touch()
+    ws.ensure()
+    return ws
+
+
+def context(ws: Workspace, overrides: list[str], stage: str, **options: Any) -> StageContext:
+    recipe = load_recipe(None, overrides)
+    series = load_series(resolve_series_path(recipe), recipe)
+    return StageContext(recipe=recipe, series=series, workspace=ws, stage=stage,
+                        options={"host_facts": no_npu_host(), **options})
+
+
+def leftovers(tag: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["pid", "cmdline", "status"]):
+        try:
+            cmd = " ".join(proc.info["cmdline"] or [])
+        except (psutil.Error, TypeError):
+            continue
+        if tag in cmd and proc.pid != os.getpid() and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path) -> Iterator[str]:
+    """A tag for the processes a test starts; afterwards none may remain (they are killed)."""
+    tag = str(tmp_path)
+    yield tag
+    deadline = time.monotonic() + 5
+    left = leftovers(tag)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = leftovers(tag)
+    for proc in left:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    assert not left, f"processes left behind: {[p.info['cmdline'] for p in left]}"

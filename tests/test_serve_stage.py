@@ -1,0 +1,153 @@
+"""The serve stage through the real launcher and supervisor, against the stand-in server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+from serve_helpers import context, free_port, leftovers, make_workspace, standin_overrides
+
+from dsv4_offload import supervisor as sv
+from dsv4_offload.stage import Status
+from dsv4_offload.stages import serve
+
+pytest_plugins = ("serve_helpers",)  # the no_leftovers fixture
+
+
+def _serve(tmp_path: Path, tag: str, *args: str, timeout: float = 20, **options):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    ctx = context(ws, standin_overrides(tag, port, *args, timeout=timeout), "serve", **options)
+    return ctx, port
+
+
+def test_detached_serve_returns_once_ready_and_stop_leaves_nothing(tmp_path, no_leftovers):
+    ctx, port = _serve(tmp_path, no_leftovers, "--mode", "good", detach=True)
+    result = serve.run(ctx)
+    assert result.status is Status.OK, result.as_dict()
+    assert result.outputs["url"] == f"http://127.0.0.1:{port}"
+    assert requests.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
+    record = sv.read_record(ctx.workspace.serve_record)
+    assert record is not None and record.state == "running" and sv.pid_alive(record.server_pid)
+    # the server is not our child: the supervisor holds it, in a session of its own
+    assert os.getsid(record.supervisor_pid) == record.supervisor_pid
+    assert os.getpgid(record.server_pid) == record.server_pid
+    log = Path(result.outputs["log"]).read_text()
+    assert "KV Cache is allocated" in log and "--kt-cpuinfer" in log
+    # a second serve finds it running
+    again = serve.run(ctx)
+    assert again.status is Status.OK and "already running" in again.summary
+    stopped, how = sv.stop_recorded(ctx.workspace.serve_record, 3)
+    assert how == "SIGINT" and stopped is not None and stopped.state == "stopped"
+    assert not leftovers(no_leftovers)
+
+
+def test_foreground_serve_streams_the_log_and_returns_when_the_server_stops(tmp_path,
+                                                                            no_leftovers):
+    ctx, port = _serve(tmp_path, no_leftovers, "--mode", "good")
+    seen: list[str] = []
+    ctx.progress.message = seen.append  # type: ignore[method-assign]
+    box = {}
+    runner = threading.Thread(target=lambda: box.update(result=serve.run(ctx)))
+    runner.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not any("ready at" in s for s in seen):
+        time.sleep(0.05)
+    assert any("KV Cache is allocated" in s for s in seen)
+    server = next(p for p in leftovers(no_leftovers) if "standin_server" in " ".join(p.cmdline()))
+    assert server.ppid() == os.getpid()  # the tool itself supervises in the foreground
+    os.killpg(server.pid, signal.SIGINT)
+    runner.join(20)
+    assert box["result"].status is Status.OK
+    assert box["result"].summary == "server ran and exited cleanly"
+
+
+def test_slow_start_is_waited_for(tmp_path, no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "slow-start", "--start-delay", "2",
+                    detach=True)
+    result = serve.run(ctx)
+    assert result.status is Status.OK
+    assert result.outputs["attempts"][0]["seconds"] >= 1.5
+    sv.stop_recorded(ctx.workspace.serve_record, 3)
+
+
+def test_not_ready_within_the_timeout_fails_and_stops_the_server(tmp_path, no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "slow-start", "--start-delay", "60",
+                    timeout=2, detach=True)
+    t0 = time.monotonic()
+    result = serve.run(ctx)
+    assert time.monotonic() - t0 < 15
+    assert result.status is Status.FAILED
+    assert "not ready within 2s" in result.problems[0].message
+    assert "readiness_timeout_s" in result.problems[0].fix
+
+
+@pytest.mark.parametrize(("key", "fix"), [
+    ("llamafile", "CPUINFER_ARM_SVE=OFF"),
+    ("numa", "NUMA nodes"),
+    ("libmxfp4fused", "build ascendc-op"),
+    ("quant-type", "verify-gguf"),
+])
+def test_known_fatal_line_stops_the_wait_at_once_with_its_fix(tmp_path, no_leftovers, key, fix):
+    # the stand-in prints the line and stays up, like a wedged server: the line alone decides
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "fatal", "--fatal", key, detach=True)
+    t0 = time.monotonic()
+    result = serve.run(ctx)
+    assert time.monotonic() - t0 < 10  # far below the 20 s readiness timeout
+    assert result.status is Status.FAILED
+    problem = result.problems[0]
+    assert problem.check == f"serve.{key}" and fix in problem.fix
+    assert result.data["tail"], "the log tail is shown"
+    assert len(result.data["attempts"]) == 1
+
+
+@pytest.mark.parametrize("key", ["kv-cache", "hbm-oom"])
+def test_memory_failures_walk_down_the_ladder_then_fail(tmp_path, no_leftovers, key):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "fatal", "--fatal", key)
+    result = serve.run(ctx)
+    assert result.status is Status.FAILED
+    assert [a["kt_num_gpu_experts"] for a in result.data["attempts"]] == [32, 24, 16]
+    assert "tried 32, 24, 16 resident experts" in result.problems[0].message
+    assert result.problems[0].check == f"serve.{key}"
+
+
+def test_kv_cache_failure_retries_with_fewer_experts_and_records_what_worked(tmp_path,
+                                                                             no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "kv-ladder", "--kv-max-experts", "24",
+                    detach=True)
+    result = serve.run(ctx)
+    assert result.status is Status.WARN
+    assert result.outputs["kt_num_gpu_experts"] == 24
+    assert [a["outcome"] for a in result.outputs["attempts"]] == ["fatal", "ready"]
+    assert "--set serve.kt_num_gpu_experts=24" in result.problems[-1].fix
+    record = sv.read_record(ctx.workspace.serve_record)
+    assert record is not None and record.kt_num_gpu_experts == 24
+    sv.stop_recorded(ctx.workspace.serve_record, 3)
+
+
+def test_server_exiting_before_ready_shows_its_last_lines(tmp_path, no_leftovers):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    script = "import sys; print('loading'); print('boom: config.json unreadable'); sys.exit(4)"
+    overrides = standin_overrides(no_leftovers, port)
+    overrides[0] = f"serve.command=['{sys.executable}', '-c', \"{script}\", '{no_leftovers}']"
+    overrides.append("serve.pass_flags=false")
+    result = serve.run(context(ws, overrides, "serve"))
+    assert result.status is Status.FAILED
+    assert "exited (code 4) before it was ready" in result.problems[0].message
+    assert any("boom" in line for line in result.data["tail"])
+
+
+def test_fingerprint_says_whether_the_server_runs(tmp_path, no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", detach=True)
+    assert serve.fingerprint_inputs(ctx) == {"server": "stopped"}
+    serve.run(ctx)
+    assert serve.fingerprint_inputs(ctx)["server"].startswith("running pid ")
+    sv.stop_recorded(ctx.workspace.serve_record, 3)
+    assert serve.fingerprint_inputs(ctx) == {"server": "stopped"}
