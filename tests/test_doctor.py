@@ -1,0 +1,277 @@
+"""Doctor verdicts on the captured hosts, through the stage entry point and its pure checks."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from dsv4_offload.host import HostFacts, probe_host
+from dsv4_offload.recipe import Recipe, load_recipe_and_series
+from dsv4_offload.stage import StageContext, Status
+from dsv4_offload.stages import doctor
+from dsv4_offload.workspace import Workspace
+
+HOSTS = Path(__file__).parent / "fixtures" / "hosts"
+RECIPE_910B = "dsv4-flash-910b"
+RECIPE_A3 = "dsv4-flash-a3"
+
+
+def use_host(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
+    """Point the probes at a captured sysroot the way the CLI does: by environment."""
+    monkeypatch.setenv("DSV4_HOST_ROOT", str(root))
+    smi = root / "npu-smi-info.txt"
+    if smi.exists():
+        monkeypatch.setenv("DSV4_NPU_SMI", f"cat '{smi}'")
+    else:
+        monkeypatch.delenv("DSV4_NPU_SMI", raising=False)
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("ASCEND_TOOLKIT_HOME", raising=False)
+    monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
+
+
+def context(tmp_path: Path, recipe_name: str = RECIPE_910B, **options: object) -> StageContext:
+    recipe, series = load_recipe_and_series(recipe_name)
+    return StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path / "ws"),
+                        options=dict(options), stage="doctor")
+
+
+def run_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, host: str,
+           recipe_name: str = RECIPE_910B, **options: object):  # type: ignore[no-untyped-def]
+    use_host(monkeypatch, HOSTS / host)
+    result = doctor.run(context(tmp_path, recipe_name, **options))
+    by_name = {c["name"]: c for c in result.data["checks"]}
+    return result, by_name
+
+
+def facts_of(host: str, recipe: Recipe) -> HostFacts:
+    root = HOSTS / host
+    smi = root / "npu-smi-info.txt"
+    tools = [t for t in (recipe.platform.cc, recipe.platform.cxx) if t]
+    return probe_host(Path("/nonexistent-ws"), root=root,
+                      npu_smi=["cat", str(smi)] if smi.exists() else None, tools=tools)
+
+
+def statuses(checks: dict[str, dict[str, str]]) -> dict[str, str]:
+    return {name: c["status"] for name, c in checks.items()}
+
+
+# --- verdicts per captured host ------------------------------------------------------------
+
+
+def test_healthy_kunpeng_910b_passes_on_the_idle_npu(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    result, checks = run_on(monkeypatch, tmp_path, "kunpeng920-910b")
+    assert result.status is Status.OK, result.problems
+    assert set(statuses(checks).values()) == {"ok"}
+    assert result.problems == []
+    assert result.data["device"] == 7
+    assert "NPU 7" in checks["npu-hbm-free"]["observed"]
+    assert "8 nodes (0-7), 24 CPUs each" in checks["numa"]["observed"]
+    assert result.outputs["host"]["arch"] == "aarch64"
+    assert result.outputs["device"] == 7
+
+
+def test_report_file_holds_the_same_checks(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    result, _ = run_on(monkeypatch, tmp_path, "kunpeng920-910b")
+    report = tmp_path / "ws" / "reports" / "doctor.json"
+    assert result.data["report"] == str(report)
+    doc = json.loads(report.read_text())
+    assert doc["status"] == "ok" and doc["recipe"] == RECIPE_910B
+    assert doc["checks"] == result.data["checks"]
+    assert doc["host"]["cann_version"] == "8.5.0"
+    assert not list(report.parent.glob(".*.tmp"))  # nothing half-written left behind
+
+
+def test_a3_host_warns_about_sve_and_passes_the_rest(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    result, checks = run_on(monkeypatch, tmp_path, "a3-host", RECIPE_A3)
+    assert result.status is Status.WARN
+    assert checks["cpu-build-off"]["status"] == "warn"
+    assert "sve" in checks["cpu-build-off"]["observed"]
+    assert "CPUINFER_ARM_SVE" in checks["cpu-build-off"]["fix"]
+    assert "llamafile not supported" in checks["cpu-build-off"]["fix"]
+    others = {n: s for n, s in statuses(checks).items() if n != "cpu-build-off"}
+    assert set(others.values()) == {"ok"}, others
+    assert checks["gcc-13"]["observed"] == "13.2.0"  # the A3 recipe's compiler, not gcc 10
+    assert result.data["device"] == 3  # an idle die, by its device id
+    assert [p.severity for p in result.problems] == ["warning"]
+
+
+def test_x86_without_npu_fails_on_arch_and_npu(monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path) -> None:
+    result, checks = run_on(monkeypatch, tmp_path, "x86-no-npu")
+    assert result.status is Status.FAILED
+    assert checks["arch"]["status"] == "fail" and checks["arch"]["observed"].startswith("x86_64")
+    assert checks["cpu-flags"]["status"] == "fail" and "asimddp" in checks["cpu-flags"]["observed"]
+    assert checks["npu-smi"]["status"] == "fail" and checks["npu-smi"]["observed"] == "not found"
+    assert checks["npu-model"]["status"] == "skip"
+    assert checks["device-nodes"]["status"] == "fail"
+    assert checks["cann"]["status"] == "fail"
+    assert "lmsysorg/sglang:deepseek-v4-npu-910b" in checks["cann"]["fix"]
+    assert checks["libhwloc"]["status"] == "fail" and "libhwloc-dev" in checks["libhwloc"]["fix"]
+    assert checks["memory"]["status"] == "fail" and checks["disk"]["status"] == "fail"
+    assert checks["docker"]["status"] == "warn"  # recommended, absent
+    assert result.summary.startswith(f"{len(result.problems) - 1} check(s) failed: arch")
+    assert checks["git"]["status"] == "ok"
+
+
+def test_bad_npu_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    result, checks = run_on(monkeypatch, tmp_path, "npu-bad-state")
+    assert result.status is Status.FAILED
+    health = checks["npu-health"]
+    assert health["status"] == "fail" and "Alarm" in health["observed"]
+    assert "npu-smi info -t health -i 6" in health["fix"]
+    assert "npu-smi set -t reset -i 6 -c 0" in health["fix"]
+    nodes = checks["device-nodes"]
+    assert nodes["status"] == "fail" and nodes["observed"] == "missing /dev/devmm_svm"
+    assert "--device" in nodes["fix"]
+    assert checks["libhwloc"]["status"] == "fail"
+    failed = {p.check for p in result.problems if p.severity == "error"}
+    assert failed == {"npu-health", "device-nodes", "libhwloc"}
+    assert all(p.fix for p in result.problems)
+
+
+def test_bad_npu_chosen_by_device_option(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _, critical = run_on(monkeypatch, tmp_path, "npu-bad-state", device=7)
+    assert "Critical" in critical["npu-health"]["observed"]
+    _, busy = run_on(monkeypatch, tmp_path, "npu-bad-state", device=0)
+    assert busy["npu-health"]["status"] == "ok"
+    assert busy["npu-hbm-free"]["status"] == "fail"
+    assert "63807 MB used by pid 918233 python3" in busy["npu-hbm-free"]["observed"]
+    _, unknown = run_on(monkeypatch, tmp_path, "npu-bad-state", device=42)
+    assert unknown["npu-health"]["status"] == "fail"
+    assert "device 42 is not listed" in unknown["npu-health"]["observed"]
+
+
+def test_visible_devices_env_chooses_a_busy_card(monkeypatch: pytest.MonkeyPatch,
+                                                 tmp_path: Path) -> None:
+    use_host(monkeypatch, HOSTS / "kunpeng920-910b")
+    monkeypatch.setenv("ASCEND_RT_VISIBLE_DEVICES", "2")
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert result.status is Status.FAILED
+    assert checks["npu-hbm-free"]["status"] == "fail"
+    assert "pid 402119" in checks["npu-hbm-free"]["observed"]
+    assert "healthy idle alternatives: 7" in checks["npu-hbm-free"]["fix"]
+
+
+@pytest.mark.parametrize("host", ["kunpeng920-910b", "a3-host", "x86-no-npu", "npu-bad-state"])
+def test_every_failure_and_warning_says_how_to_fix_it(host: str) -> None:
+    for name in (RECIPE_910B, RECIPE_A3):
+        recipe, _ = load_recipe_and_series(name)
+        checks, _ = doctor.evaluate(recipe, facts_of(host, recipe))
+        for c in checks:
+            assert c.status in ("ok", "warn", "fail", "skip")
+            if c.status in ("warn", "fail"):
+                assert c.fix, (host, name, c)
+
+
+# --- recipe against the wrong host ---------------------------------------------------------
+
+
+def test_a3_recipe_on_the_910b_host(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_A3)
+    checks = {c.name: c for c in doctor.evaluate(recipe, facts_of("kunpeng920-910b", recipe))[0]}
+    assert checks["npu-model"].status == "fail" and checks["npu-model"].observed == "910B3"
+    assert "--recipe" in checks["npu-model"].fix
+    assert checks["cann"].status == "fail" and checks["cann"].observed.startswith("8.5.0")
+    assert checks["gcc-13"].status == "fail" and checks["gcc-13"].observed == "not found"
+    assert "apt-get install gcc-13 g++-13" in checks["gcc-13"].fix
+
+
+def test_910b_recipe_on_the_a3_host() -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    checks = {c.name: c for c in doctor.evaluate(recipe, facts_of("a3-host", recipe))[0]}
+    assert checks["npu-model"].status == "fail" and checks["npu-model"].observed == "Ascend910"
+
+
+def test_sve_host_with_a_build_that_leaves_sve_on_fails() -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_A3)
+    steps = [s.model_copy(update={"env": {k: v for k, v in s.env.items()
+                                          if k != "CPUINFER_ARM_SVE"}})
+             for s in recipe.build.steps]
+    leaky = recipe.model_copy(update={"build": recipe.build.model_copy(update={"steps": steps})})
+    checks = {c.name: c for c in doctor.evaluate(leaky, facts_of("a3-host", leaky))[0]}
+    off = checks["cpu-build-off"]
+    assert off.status == "fail" and "CPUINFER_ARM_SVE" in off.observed
+    assert 'build.steps[kt-kernel].env.CPUINFER_ARM_SVE: "OFF"' in off.fix
+
+
+# --- thresholds on edited copies of the healthy host ---------------------------------------
+
+
+def edited_host(tmp_path: Path) -> Path:
+    root = tmp_path / "host"
+    shutil.copytree(HOSTS / "kunpeng920-910b", root)
+    return root
+
+
+def set_mem_available(root: Path, gib: int) -> None:
+    path = root / "proc" / "meminfo"
+    lines = [f"MemAvailable:   {gib * 1024 * 1024} kB" if line.startswith("MemAvailable:")
+             else line for line in path.read_text().splitlines()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("gib, status", [(300, "ok"), (200, "warn"), (100, "fail")])
+def test_memory_thresholds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gib: int,
+                           status: str) -> None:
+    root = edited_host(tmp_path)
+    set_mem_available(root, gib)
+    use_host(monkeypatch, root)
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["memory"]["status"] == status
+    assert checks["memory"]["observed"].startswith(f"{gib} GiB available")
+    assert result.status is {"ok": Status.OK, "warn": Status.WARN, "fail": Status.FAILED}[status]
+
+
+@pytest.mark.parametrize("gib, status", [(700, "ok"), (500, "warn"), (100, "fail")])
+def test_disk_thresholds(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, gib: int,
+                         status: str) -> None:
+    root = edited_host(tmp_path)
+    free = gib * 1024**3
+    (root / "df.txt").write_text("Filesystem 1-blocks Used Available Capacity Mounted on\n"
+                                 f"/dev/sda1 {free * 2} {free} {free} 50% /data\n")
+    use_host(monkeypatch, root)
+    checks = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]}
+    assert checks["disk"]["status"] == status
+    assert checks["disk"]["observed"] == f"{gib} GiB free"
+
+
+def test_numa_node_ids_with_a_hole_warn(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    root = edited_host(tmp_path)
+    shutil.rmtree(root / "sys/devices/system/node/node3")
+    use_host(monkeypatch, root)
+    checks = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]}
+    assert checks["numa"]["status"] == "warn"
+    assert "NUMA node N not found" in checks["numa"]["fix"]
+
+
+def test_too_many_threads_per_numa_node_fail(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    hungry = recipe.model_copy(update={"serve": recipe.serve.model_copy(
+        update={"threads_per_numa": 32})})
+    checks = {c.name: c for c in doctor.evaluate(hungry, facts_of("kunpeng920-910b", hungry))[0]}
+    assert checks["numa"].status == "fail"
+    assert "256 threads > 192 CPUs" in checks["numa"].observed
+    assert "--set serve.threads_per_numa=24" in checks["numa"].fix
+
+
+# --- fingerprint ---------------------------------------------------------------------------
+
+
+def test_fingerprint_follows_the_host_and_names_the_area(monkeypatch: pytest.MonkeyPatch,
+                                                         tmp_path: Path) -> None:
+    use_host(monkeypatch, HOSTS / "kunpeng920-910b")
+    first = doctor.fingerprint_inputs(context(tmp_path))
+    assert doctor.fingerprint_inputs(context(tmp_path)) == first
+    use_host(monkeypatch, HOSTS / "npu-bad-state")
+    bad = doctor.fingerprint_inputs(context(tmp_path))
+    changed = {k for k in first if first[k] != bad[k]}
+    assert changed == {"host.npu", "host.devices", "host.toolchain"}
+    assert all(isinstance(v, str) and len(v) == 16 for v in bad.values())
