@@ -179,7 +179,8 @@ def build_upstreams(root: Path) -> Upstreams:
     root.mkdir(parents=True, exist_ok=True)
     work = root / "_work"
     lib_pin, _ = make_upstream(root / "lib", LIB_FILES)
-    sub_pin, _ = make_upstream(root / "sub", SUB_FILES)
+    sub_pin, sub_tip = make_upstream(root / "sub", SUB_FILES,
+                                     extra_commit={"pkg/later.py": "later = 1\n"})
     stale_sub = "1" * 40  # main records another sub commit, as ktransformers does for sglang
     main_pin, main_tip = make_upstream(
         root / "main", MAIN_FILES,
@@ -188,12 +189,14 @@ def build_upstreams(root: Path) -> Upstreams:
     up = root / "main"
     specs = [
         PatchSpec("main-core", "main", make_patch(
-            up, main_pin, work, _chain(_replace("src/core.c", "core line 15\n", "core line 15 patched\n"),
-                                       _new_file("src/new.c", "int added;\n")))),
+            up, main_pin, work,
+            _chain(_replace("src/core.c", "core line 15\n", "core line 15 patched\n"),
+                   _new_file("src/new.c", "int added;\n")))),
         PatchSpec("main-delete-and-mode", "main", make_patch(
             up, main_pin, work, _chain(_delete("src/old.c"), _chmod_x("tools/run.sh")))),
         PatchSpec("main-offset", "main", make_patch(
-            up, main_pin, work, _replace("src/shift.c", "shift line 20\n", "shift line 20 patched\n"),
+            up, main_pin, work,
+            _replace("src/shift.c", "shift line 20\n", "shift line 20 patched\n"),
             base_edit=_replace("src/shift.c", lines("shift", 3), "")), expect="offset"),
         PatchSpec("main-fuzz", "main", make_patch(
             up, main_pin, work, _replace("src/fuzz.c", "fuzz line 15\n", "fuzz line 15 patched\n"),
@@ -209,12 +212,14 @@ def build_upstreams(root: Path) -> Upstreams:
             base_edit=lambda r: _write(r, {"src/bad.c": lines("different", 20).replace(
                 "different line 10", "bad line 10")})), expect="fails"),
         PatchSpec("sub-mbox", "sub", make_patch(
-            root / "sub", sub_pin, work, _replace("pkg/mod.py", "mod line 5\n", "mod line 5 mailed\n"),
+            root / "sub", sub_pin, work,
+            _replace("pkg/mod.py", "mod line 5\n", "mod line 5 mailed\n"),
             mbox=True, subject="sub: a mailed fix"), method="mbox"),
         PatchSpec("sub-own", "sub", make_patch(
             root / "sub", sub_pin, work, _new_file("pkg/ours.py", "ours = True\n")), own_file=True),
         PatchSpec("sub-fails", "sub", make_patch(
-            root / "sub", sub_pin, work, _replace("pkg/other.py", "other line 6\n", "other line 6 x\n"),
+            root / "sub", sub_pin, work,
+            _replace("pkg/other.py", "other line 6\n", "other line 6 x\n"),
             base_edit=lambda r: _write(r, {"pkg/other.py": lines("nope", 12).replace(
                 "nope line 6", "other line 6")})), expect="fails"),
     ]
@@ -224,7 +229,7 @@ def build_upstreams(root: Path) -> Upstreams:
     delivery_pin, _ = make_upstream(root / "delivery", delivery_files)
     return Upstreams(
         root, {"main": main_pin, "sub": sub_pin, "lib": lib_pin, "delivery": delivery_pin},
-        {"main": main_tip}, patches, delivery_pin,
+        {"main": main_tip, "sub": sub_tip}, patches, delivery_pin,
         kitchen_sink=["main-core", "main-delete-and-mode", "main-offset", "main-fuzz",
                       "main-already-upstream", "main-bad", "sub-mbox", "sub-own", "sub-fails"],
         good=["main-core", "main-delete-and-mode", "main-offset", "sub-mbox", "sub-own"],

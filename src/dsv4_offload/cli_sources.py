@@ -157,7 +157,8 @@ def patch_check(
     """
     from pathlib import Path
 
-    from dsv4_offload import gitsrc, series as series_ops
+    from dsv4_offload import gitsrc
+    from dsv4_offload import series as series_ops
     from dsv4_offload.errors import InputError
 
     pctx = clikit.load_context(ctx, "patch")

@@ -263,22 +263,23 @@ def _fetch_from(repo: Path, url: str, source: Source, commit: str, log: Path,
         outcome.attempts.append(f"{url}: {why}")
         return False
     # the host refused the SHA (or served something else): go through named refs
-    deepen = ["--unshallow"] if (repo / "shallow").exists() else []
-    plans: list[tuple[str, list[str]]] = []
+    plans: list[tuple[str, bool, list[str]]] = []  # (method, shallow, refspecs)
     if source.ref:
         refspec = f"+{source.ref}:refs/dsv4/fallback/{_ref_slug(source.ref)}"
-        plans += [("ref", [*shallow, url, refspec]), ("ref", [*deepen, url, refspec])]
-    plans.append(("heads", [*deepen, url, "+refs/heads/*:refs/dsv4/heads/*",
-                            "+refs/tags/*:refs/dsv4/tags/*"]))
-    for method, args in plans:
-        ok, why2, got2 = _fetch(repo, args, log, task)
+        plans += [("ref", True, [refspec]), ("ref", False, [refspec])]
+    plans.append(("heads", False, ["+refs/heads/*:refs/dsv4/heads/*",
+                                   "+refs/tags/*:refs/dsv4/tags/*"]))
+    for method, is_shallow, refspecs in plans:
+        # a full fetch into a shallow repo stops at its shallow boundary unless unshallowed
+        depth = shallow if is_shallow else (
+            ["--unshallow"] if (repo / "shallow").exists() else [])
+        ok, why2, got2 = _fetch(repo, [*depth, url, *refspecs], log, task)
         got += got2
         if ok and has_commit(repo, commit):
             outcome.url, outcome.method, outcome.bytes_received = url, method, got
             return True
         if not ok:
             why = why2
-        deepen = ["--unshallow"] if (repo / "shallow").exists() else []
     missing = f"the commit is not on {source.ref or 'any branch'}"
     outcome.attempts.append(f"{url}: {why or missing}")
     return False

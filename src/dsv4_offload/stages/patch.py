@@ -8,7 +8,8 @@
 
 from __future__ import annotations
 
-from dsv4_offload import gitsrc, series as series_ops
+from dsv4_offload import gitsrc
+from dsv4_offload import series as series_ops
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 
 
