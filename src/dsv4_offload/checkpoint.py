@@ -16,6 +16,7 @@ import json
 import os
 import re
 import struct
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +182,7 @@ class Checkpoint:
     prefix: str = ""
     _headers: dict[str, dict[str, TensorEntry]] = field(default_factory=dict)
     _fds: dict[Path, int] = field(default_factory=dict)
+    _fd_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @classmethod
     def open(cls, root: Path) -> Checkpoint:
@@ -274,7 +276,10 @@ class Checkpoint:
         """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
         fd = self._fds.get(entry.shard)
         if fd is None:
-            fd = self._fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
+            with self._fd_lock:  # verify reads from several threads
+                fd = self._fds.get(entry.shard)
+                if fd is None:
+                    fd = self._fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
         view = memoryview(out.reshape(-1))[: entry.nbytes]
         done = 0
         while done < entry.nbytes:

@@ -95,12 +95,12 @@ def default_jobs(layers_todo: int) -> int:
 
 def source_dir(ctx: StageContext) -> Path:
     value = ctx.option("source")
-    return Path(value) if value else ctx.workspace.weights_dir(ctx.recipe, "mxfp4")
+    return Path(value).absolute() if value else ctx.workspace.weights_dir(ctx.recipe, "mxfp4")
 
 
 def gguf_dir(ctx: StageContext) -> Path:
     value = ctx.option("gguf_dir")
-    return Path(value) if value else ctx.workspace.gguf_dir(ctx.recipe)
+    return Path(value).absolute() if value else ctx.workspace.gguf_dir(ctx.recipe)
 
 
 def temp_path(final: Path) -> Path:
@@ -363,7 +363,10 @@ def run(ctx: StageContext) -> StageResult:
 
     need = sum(layout.file_bytes for layout, _final in work)
     out_dir.mkdir(parents=True, exist_ok=True)
-    reusable = sum(_size(final) + _size(temp_path(final)) for _layout, final in work)
+    for layout, final in work:
+        if 0 < _size(final) != layout.file_bytes:
+            final.unlink()  # an incomplete file must not sit at a final name, even for a while
+    reusable = sum(_size(temp_path(final)) for _layout, final in work)  # O_TRUNC reuses these
     free = shutil.disk_usage(out_dir).free
     if free + reusable < need:
         return StageResult(
