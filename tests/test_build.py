@@ -273,3 +273,21 @@ def test_pythonpath_is_the_sglang_and_kt_kernel_dirs(ws: Path) -> None:
     assert build.runtime_pythonpath(ctx.workspace, ctx.recipe) == [ws / KT, ws / SGL]
     text = textwrap.dedent(str(build.__doc__))
     assert "regular expressions" in text  # the marker rule is documented where users look
+
+
+def test_build_command_json_and_exit_codes(ws: Path) -> None:
+    from conftest import run_cli
+
+    make_ctx(ws, [kt_step(), sglang_step(), ascendc_step()])  # writes the recipe file
+    recipe = str(ws.parent / f"{ws.name}-recipe.yaml")
+    res = run_cli("--workspace", str(ws), "--recipe", recipe, "--json", "build", "sglang")
+    assert res.code == 0, res
+    doc = res.json()
+    assert doc["command"] == "build" and doc["status"] == "warn"  # kt-kernel not built yet
+    assert list(doc["data"]["data"]["steps"]) == ["sglang"]
+    broken = run_cli("--workspace", str(ws), "--recipe", recipe,
+                     "--set", "host.python=3.99", "build")
+    assert broken.code == 1
+    assert "the recipe wants 3.99" in broken.out + broken.err
+    unknown = run_cli("--workspace", str(ws), "--recipe", recipe, "build", "cuda")
+    assert unknown.code == 2 and "unknown step 'cuda'" in unknown.err

@@ -70,6 +70,14 @@ def requested_sets(ctx: StageContext) -> list[str]:
     return [which]
 
 
+def endpoint_override(ctx: StageContext, hub: str) -> str | None:
+    """The `endpoint` option: one URL for every hub, or a {hub: URL} mapping."""
+    value = ctx.option("endpoint")
+    if isinstance(value, dict):
+        return value.get(hub)
+    return value
+
+
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     log = DownloadLog(ctx.log_dir / "download.log")
@@ -159,7 +167,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         listing = hubs.HubListing.from_dict(record["listing"], str(record_path))
         log.write(f"{name}: offline, using the listing recorded {record.get('listed')}")
     else:
-        endpoint = hubs.resolve_endpoint(spec.hub, ctx.option("endpoint"))
+        endpoint = hubs.resolve_endpoint(spec.hub, endpoint_override(ctx, spec.hub))
         log.write(f"{name}: listing {spec.hub} {spec.repo_id}@{spec.revision} at {endpoint}")
         listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision, spec.allow_patterns,
                                   endpoint)

@@ -1,0 +1,97 @@
+"""Commands for builds and weights: ``build`` and ``download``.
+
+Only typer and clikit at import time; the stages (and the hub clients) load inside commands.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from dsv4_offload import clikit
+from dsv4_offload.errors import InputError
+
+WEIGHT_SET_NAMES = ("w8a8", "mxfp4")
+HUB_NAMES = ("huggingface", "modelscope")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("build")(build)
+    app.command("download")(download)
+
+
+def build(
+    ctx: typer.Context,
+    steps: list[str] = typer.Argument(
+        None, metavar="[STEP]...",
+        help="Steps of the recipe's build.steps to run (default all): kt-kernel, gguf-py, "
+        "sglang, ascendc-op."),
+    python: str | None = typer.Option(
+        None, "--python", metavar="PATH",
+        help="The interpreter to build with and for (default: the recipe's build.python); "
+        "it must be the recipe's host.python version."),
+) -> None:
+    """Build kt-kernel, gguf-py, sglang and the AscendC op from the patched sources.
+
+    \b
+    1. Preflight: the build python and its version; cmake, the C compiler and the
+       hwloc/numa headers for kt-kernel.
+    2. Each step in recipe order, in its workdir, with its env (and CC/CXX of the
+       platform); output in <workspace>/logs/build/<step>.log.
+    3. The step's log must show every expected marker (regular expressions) and no
+       forbidden one; then `import <module>` must work with the server's PYTHONPATH.
+    4. An optional step (ascendc-op) that fails, or whose compiler (bisheng) is missing,
+       is a warning. Git hooks the kt-kernel configure installed are reported.
+    """
+    clikit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python})
+
+
+def _endpoints(values: list[str]) -> str | dict[str, str] | None:
+    """`URL` (every hub) or `HUB=URL` (repeatable) into the stage's endpoint option."""
+    if not values:
+        return None
+    per_hub: dict[str, str] = {}
+    for value in values:
+        hub, sep, url = value.partition("=")
+        if sep and hub in HUB_NAMES:
+            per_hub[hub] = url
+        elif len(values) == 1 and not sep:
+            return value
+        else:
+            raise InputError(f"--endpoint '{value}': give one URL, or HUB=URL per hub "
+                             f"({', '.join(HUB_NAMES)})")
+    return per_hub
+
+
+def download(
+    ctx: typer.Context,
+    which: str | None = typer.Argument(
+        None, metavar="[w8a8|mxfp4]", help="One weight set (default both)."),
+    endpoint: list[str] = typer.Option(
+        [], "--endpoint", metavar="[HUB=]URL",
+        help="A hub mirror: URL for the chosen set, or huggingface=URL / modelscope=URL "
+        "(repeatable). Default: HF_ENDPOINT / MODELSCOPE_ENDPOINT, else the public hubs."),
+    local_dir_only: bool = typer.Option(
+        False, "--local-dir-only", "--offline",
+        help="No network: check the files on disk against the listing recorded by the "
+        "last online run."),
+    repair: bool = typer.Option(
+        False, "--repair", help="Re-hash every file (not only new or changed ones) and "
+        "fetch again the ones that do not match."),
+    max_workers: int = typer.Option(4, "--max-workers", min=1, help="Files fetched at once."),
+) -> None:
+    """Download the W8A8 (ModelScope) and MXFP4 (Hugging Face) weights, verified.
+
+    \b
+    1. Ask the hub for the revision's file listing (the resolved commit is recorded).
+    2. Check what is on disk: sizes, and sha256 (or git blob id) of files not verified
+       before; check the disk can take the rest.
+    3. Fetch the missing files with the hub's client (partial files resume).
+    4. Check every fetched file against the listing; a corrupt one is named and removed,
+       and the next run fetches it again.
+    """
+    if which is not None and which not in WEIGHT_SET_NAMES:
+        raise InputError(f"download: '{which}' is not a weight set; use "
+                         f"{' or '.join(WEIGHT_SET_NAMES)} (or nothing for both)")
+    clikit.run_stage(ctx, "download", {
+        "which": which, "endpoint": _endpoints(endpoint), "local_dir_only": local_dir_only,
+        "repair": repair, "max_workers": max_workers})

@@ -1,0 +1,63 @@
+"""`dsv4-offload download` as a user runs it, against the stand-in hub on 127.0.0.1."""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from standin_hub import StandinHub, tiny_model_repo
+
+MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
+W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
+
+
+@pytest.fixture
+def env(tmp_path: Path) -> dict[str, str]:
+    return {"HF_HOME": str(tmp_path / "hf-home"), "MODELSCOPE_CACHE": str(tmp_path / "ms"),
+            "HF_ENDPOINT": "", "MODELSCOPE_ENDPOINT": ""}
+
+
+def test_download_json_then_status_shows_done(tmp_path: Path, env: dict[str, str]) -> None:
+    ws = str(tmp_path / "ws")
+    with StandinHub([tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO)]) as hub:
+        res = run_cli("--workspace", ws, "--json", "download",
+                      "--endpoint", f"huggingface={hub.url}",
+                      "--endpoint", f"modelscope={hub.url}", env=env)
+        assert res.code == 0, res
+        doc = res.json()
+        assert doc["schema"] == 1 and doc["command"] == "download"
+        assert doc["status"] == "ok"
+        outputs = doc["data"]["outputs"]
+        assert outputs["mxfp4"]["resolved"] == hub.repos[MXFP4_REPO].commit
+        assert outputs["w8a8"]["files"] == 4
+        hub.requests.clear()
+        again = run_cli("--workspace", ws, "--json", "download", "mxfp4", "--endpoint", hub.url,
+                        env=env)
+        assert again.code == 0, again
+        assert hub.data_requests() == []
+    offline = run_cli("--workspace", ws, "--json", "download", "--offline", env=env)
+    assert offline.code == 0, offline
+    status = run_cli("--workspace", ws, "--json", "status", env=env)
+    stages = {s["name"]: s for s in status.json()["data"]["stages"]}
+    assert stages["download"]["state"] == "done"
+
+
+def test_unreachable_hub_exits_1_with_one_line(tmp_path: Path, env: dict[str, str]) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(env, HF_ENDPOINT=f"http://127.0.0.1:{port}")
+    res = run_cli("--workspace", str(tmp_path / "ws"), "download", "mxfp4", env=env)
+    assert res.code == 1, res
+    lines = [x for x in res.err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: cannot list"), res
+    assert "Traceback" not in res.err
+
+
+def test_bad_arguments_exit_2(tmp_path: Path, env: dict[str, str]) -> None:
+    ws = str(tmp_path / "ws")
+    assert run_cli("--workspace", ws, "download", "fp8", env=env).code == 2
+    bad = run_cli("--workspace", ws, "download", "--endpoint", "a", "--endpoint", "b", env=env)
+    assert bad.code == 2 and "HUB=URL" in bad.err
