@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from dsv4_offload.errors import InputError
 from dsv4_offload.host import probe_host
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
@@ -111,3 +112,10 @@ def test_facts_are_json(host: str, tmp_path: Path) -> None:
     doc = probe_host(tmp_path, root=HOSTS / host, npu_smi=smi).as_dict()
     back = json.loads(json.dumps(doc))
     assert back["cpu_flags"] == sorted(back["cpu_flags"]) and back["cores"] > 0
+
+
+def test_bad_environment_selections_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="DSV4_HOST_ROOT=.*not a directory"):
+        probe_host(tmp_path, env={"DSV4_HOST_ROOT": str(tmp_path / "missing")})
+    with pytest.raises(InputError, match="DSV4_NPU_SMI=.*shell-quoted"):
+        probe_host(tmp_path, root=HOSTS / "x86-no-npu", env={"DSV4_NPU_SMI": "cat 'unclosed"})

@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.errors import InputError
+
 HOST_ROOT_ENV = "DSV4_HOST_ROOT"
 NPU_SMI_ENV = "DSV4_NPU_SMI"
 CAPTURED_DF_FILE = "df.txt"
@@ -455,8 +457,15 @@ def probe_host(workspace: Path | None = None, *, root: Path | None = None,
     env = dict(os.environ if env is None else env)
     if root is None:
         root = Path(env[HOST_ROOT_ENV]) if env.get(HOST_ROOT_ENV) else Path("/")
+        if not root.is_dir():
+            raise InputError(f"{HOST_ROOT_ENV}={root}: not a directory; point it at a captured "
+                             "sysroot (with proc/cpuinfo) or unset it to probe this machine")
     if npu_smi is None and env.get(NPU_SMI_ENV):
-        npu_smi = shlex.split(env[NPU_SMI_ENV])
+        try:
+            npu_smi = shlex.split(env[NPU_SMI_ENV])
+        except ValueError as exc:
+            raise InputError(f"{NPU_SMI_ENV}={env[NPU_SMI_ENV]!r}: {exc}; write a shell-quoted "
+                             "command such as \"cat '/path/npu-smi-info.txt'\"") from None
     live = root == Path("/")
     search = _search_path(root, env)
 
