@@ -235,6 +235,7 @@ def _npu(model: str, phy: int | None = None, health: str = "OK", used: int = 300
     ("Ascend910_9382", None, "A3", True),
     ("Ascend910_9392", None, "910_93", True),
     ("Ascend910", 5, "A3", True),
+    ("910C", None, "A3", True),
     ("Ascend910", None, "A3", False),
     ("Ascend910", 5, "910B", False),
     ("910B3", None, "A3", False),

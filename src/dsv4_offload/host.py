@@ -291,12 +291,14 @@ def version_at_least(version: str | None, minimum: str) -> bool:
 def npu_model_matches(npu: NpuInfo, wanted: str) -> bool:
     """Loose model match: "910B" takes "910B3"/"910B4-1"; "A3" and "910_93" take Ascend910_93xx.
 
-    npu-smi on A3 prints the dies as plain "Ascend910" with a Phy-ID column: that is A3 too.
+    npu-smi on A3 prints the dies as plain "Ascend910" with a Phy-ID column, and the part is
+    sold as "910C": both are A3 too.
     """
     name = npu.model.upper().removeprefix("ASCEND")
     want = wanted.upper().removeprefix("ASCEND")
     if want == "A3":
-        return name.startswith("910_93") or (name == "910" and npu.phy_id is not None)
+        return (name.startswith(("910_93", "910C"))
+                or (name == "910" and npu.phy_id is not None))
     return name.startswith(want)
 
 
