@@ -6,7 +6,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from gitfixtures import (
+
+pytest.register_assert_rewrite("gitfixtures")
+from gitfixtures import (  # noqa: E402
     Upstreams,
     git,
     refusing_env,
