@@ -93,7 +93,8 @@ def consecutive_codes(blocks: np.ndarray) -> np.ndarray:
 def e8m0_to_float(exponents: np.ndarray) -> np.ndarray:
     """2^(e-127) as float32 (e = 255 is NaN, per OCP MX); exact for every e in 0..254."""
     e = exponents.astype(np.int32)
-    out = np.ldexp(np.float32(1.0), e - E8M0_BIAS).astype(np.float32)
+    with np.errstate(over="ignore"):  # e = 255 overflows to inf before it becomes NaN
+        out = np.ldexp(np.float32(1.0), e - E8M0_BIAS).astype(np.float32)
     out[e == E8M0_NAN] = np.nan
     return out
 
@@ -109,7 +110,8 @@ def dequantize_native(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
     codes[:, 0::2] = w & 0x0F
     codes[:, 1::2] = w >> 4
     values = E2M1_VALUES[codes].reshape(n, -1, BLOCK_ELEMENTS)
-    return (values * e8m0_to_float(scale.view(np.uint8))[..., None]).reshape(n, -1)
+    with np.errstate(over="ignore"):  # 6 x 2^127 is inf in float32, as in ggml
+        return (values * e8m0_to_float(scale.view(np.uint8))[..., None]).reshape(n, -1)
 
 
 def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
@@ -117,4 +119,5 @@ def dequantize_blocks(blocks: np.ndarray) -> np.ndarray:
     b = blocks.reshape(-1, BLOCK_BYTES)
     qs = b[:, 1:]
     codes = np.concatenate([qs & 0x0F, qs >> 4], axis=1)
-    return E2M1_VALUES[codes] * e8m0_to_float(b[:, 0])[:, None]
+    with np.errstate(over="ignore"):
+        return E2M1_VALUES[codes] * e8m0_to_float(b[:, 0])[:, None]

@@ -223,6 +223,20 @@ _progress_queue: Any = None
 def _init_worker(progress_queue: Any) -> None:
     global _progress_queue
     _progress_queue = progress_queue
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """A SIGKILLed `convert` must not leave workers finishing layers behind its back."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
 
 
 def _worker(source: str, layout: Any, final: str) -> LayerOutcome:

@@ -1,0 +1,104 @@
+"""The MXFP4 repack and dequantization against references written independently here."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import numpy as np
+import pytest
+
+from dsv4_offload import mxfp4
+
+
+# OCP MX v1.0, E2M1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0
+def e2m1(code: int) -> float:
+    sign = -1.0 if code & 8 else 1.0
+    exp, man = (code >> 1) & 3, code & 1
+    magnitude = man * 0.5 if exp == 0 else (1 + man / 2) * 2.0 ** (exp - 1)
+    return sign * magnitude
+
+
+def reference_halfblock(weight: np.ndarray) -> np.ndarray:
+    """Per-nibble, per-block loop: unpack 32 codes in element order, pack half-block."""
+    out = np.empty_like(weight)
+    for r in range(weight.shape[0]):
+        for b in range(weight.shape[1] // 16):
+            src = weight[r, 16 * b: 16 * b + 16]
+            codes = []
+            for byte in src:
+                codes += [int(byte) & 15, int(byte) >> 4]
+            for j in range(16):
+                out[r, 16 * b + j] = codes[j] | (codes[j + 16] << 4)
+    return out
+
+
+def reference_values(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    n, kh = weight.shape
+    out = np.empty((n, kh * 2), np.float32)
+    for r in range(n):
+        for i in range(kh * 2):
+            code = (int(weight[r, i // 2]) >> (4 * (i % 2))) & 15
+            e = int(scale[r, i // 32])
+            out[r, i] = math.nan if e == 255 else e2m1(code) * math.ldexp(1.0, e - 127)
+    return out
+
+
+@pytest.fixture
+def rows() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(42)
+    weight = rng.integers(0, 256, (6, 64), dtype=np.uint8)  # K = 128: 4 blocks per row
+    scale = rng.integers(100, 150, (6, 4), dtype=np.uint8)
+    scale[0, :] = [0, 1, 2, 252]  # subnormal and large exponents (no float32 overflow)
+    weight[1, :] = np.arange(64, dtype=np.uint8) * 4 + 1  # a visible ramp of codes
+    return weight, scale
+
+
+def test_e2m1_table_is_the_ocp_one() -> None:
+    assert [e2m1(c) for c in range(16)] == mxfp4.E2M1_VALUES.tolist()
+    assert mxfp4.BLOCK_BYTES == 17 and int(gguf.GGMLQuantizationType.MXFP4) == mxfp4.GGML_TYPE_MXFP4
+
+
+def test_halfblock_order_matches_a_per_nibble_loop(rows: tuple[np.ndarray, np.ndarray]) -> None:
+    weight, _ = rows
+    got = mxfp4.halfblock_codes(weight).reshape(weight.shape)
+    np.testing.assert_array_equal(got, reference_halfblock(weight))
+
+
+def test_one_block_by_hand() -> None:
+    # element i has code i % 16: consecutive bytes are 0x10, 0x32, ..., half-block j = j | j<<4
+    weight = np.array([[(2 * i % 16) | ((2 * i + 1) % 16) << 4 for i in range(16)]], np.uint8)
+    scale = np.array([[127]], np.uint8)
+    block = mxfp4.repack(weight, scale)[0]
+    assert block[0] == 127
+    assert block[1:].tolist() == [(j % 16) | ((j + 16) % 16) << 4 for j in range(16)]
+
+
+def test_block_layout_scale_then_codes(rows: tuple[np.ndarray, np.ndarray]) -> None:
+    weight, scale = rows
+    blocks = mxfp4.repack(weight, scale).reshape(6, 4, 17)
+    np.testing.assert_array_equal(blocks[..., 0], scale)
+    np.testing.assert_array_equal(blocks[..., 1:].reshape(6, 64), reference_halfblock(weight))
+
+
+def test_values_equal_ocp_and_gguf_dequantization(rows: tuple[np.ndarray, np.ndarray]) -> None:
+    weight, scale = rows
+    ocp = reference_values(weight, scale)
+    blocks = mxfp4.repack(weight, scale)
+    by_gguf = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.MXFP4)
+    np.testing.assert_array_equal(by_gguf, ocp)
+    np.testing.assert_array_equal(mxfp4.dequantize_native(weight, scale), ocp)
+    np.testing.assert_array_equal(mxfp4.dequantize_blocks(blocks).reshape(6, -1), ocp)
+
+
+def test_repack_is_lossless(rows: tuple[np.ndarray, np.ndarray]) -> None:
+    weight, scale = rows
+    blocks = mxfp4.repack(weight, scale)
+    np.testing.assert_array_equal(mxfp4.consecutive_codes(blocks).reshape(weight.shape), weight)
+
+
+def test_nan_exponent_and_mismatched_shapes() -> None:
+    weight = np.zeros((1, 16), np.uint8)
+    assert np.isnan(mxfp4.dequantize_native(weight, np.array([[255]], np.uint8))).all()
+    with pytest.raises(ValueError, match="disagree"):
+        mxfp4.repack_into(weight, np.zeros((1, 2), np.uint8), np.empty(34, np.uint8))
