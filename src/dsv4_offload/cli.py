@@ -158,9 +158,12 @@ def status(ctx: typer.Context) -> None:
 
 
 @app.command()
-def doctor(ctx: typer.Context) -> None:
+def doctor(
+    ctx: typer.Context,
+    device: int | None = typer.Option(None, "--device", help="NPU id to check (default: idlest)."),
+) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
-    run_stage(ctx, "doctor", {})
+    run_stage(ctx, "doctor", {"device": device})
 
 
 # --- recipes -------------------------------------------------------------------------------

@@ -28,9 +28,15 @@ STATUS_STYLE = {
 }
 
 
+# a pipe or a CI log is not 80 columns wide: keep tables readable there
+_PIPE_WIDTH = 120
+
+
 @functools.lru_cache(maxsize=1)
 def console() -> Console:
-    return Console(highlight=False)
+    probe = Console()
+    width = None if probe.is_terminal else max(probe.width, _PIPE_WIDTH)
+    return Console(highlight=False, width=width)
 
 
 @functools.lru_cache(maxsize=1)
@@ -44,15 +50,25 @@ def styled(text: str) -> str:
 
 
 def checks_table(checks: list[dict[str, Any]]) -> Table:
+    """Check rows without their fixes: fixes are long and read better below the table."""
     table = Table(show_lines=False, pad_edge=False)
-    for col in ("check", "status", "observed", "required", "fix"):
+    for col in ("check", "status", "observed", "required"):
         table.add_column(col, overflow="fold")
     for c in checks:
         table.add_row(
             str(c.get("name", c.get("check", ""))), styled(str(c.get("status", ""))),
-            str(c.get("observed", "")), str(c.get("required", "")), str(c.get("fix", "")),
+            str(c.get("observed", "")), str(c.get("required", "")),
         )
     return table
+
+
+def print_fixes(checks: list[dict[str, Any]]) -> None:
+    out = console()
+    for c in checks:
+        status = str(c.get("status", ""))
+        if status in ("fail", "warn", "failed", "error") and c.get("fix"):
+            name = c.get("name", c.get("check", ""))
+            out.print(f"{styled(status)} {name}: {c['fix']}", soft_wrap=True)
 
 
 def problems_table(result: StageResult) -> Table:
@@ -71,11 +87,12 @@ def render_result(command: str, result: StageResult, verbose: bool = False,
     checks = result.data.get("checks") if isinstance(result.data, dict) else None
     if isinstance(checks, list) and checks and not quiet:
         out.print(checks_table(checks))
+        print_fixes(checks)
     elif result.problems and not quiet:
         out.print(problems_table(result))
-    out.print(f"{command}: {styled(result.status.value)} — {result.summary}")
+    out.print(f"{command}: {styled(result.status.value)} — {result.summary}", soft_wrap=True)
     if result.log and (result.status == Status.FAILED or verbose):
-        out.print(f"see the log: {result.log}")
+        out.print(f"see the log: {result.log}", soft_wrap=True)
 
 
 class RichProgress(Progress):
