@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-import pytest
 
 from dsv4_offload.host import HostFacts
 from dsv4_offload.recipe import load_recipe, load_series, resolve_series_path
@@ -79,9 +78,11 @@ def leftovers(tag: str) -> list[psutil.Process]:
     return found
 
 
-@pytest.fixture
-def no_leftovers(tmp_path: Path) -> Iterator[str]:
-    """A tag for the processes a test starts; afterwards none may remain (they are killed)."""
+def leftover_guard(tmp_path: Path) -> Iterator[str]:
+    """A tag for the processes a test starts; afterwards none may remain (they are killed).
+
+    Test modules wrap it in their own `no_leftovers` fixture.
+    """
     tag = str(tmp_path)
     yield tag
     deadline = time.monotonic() + 5

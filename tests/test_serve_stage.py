@@ -7,17 +7,28 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import requests
-from serve_helpers import context, free_port, leftovers, make_workspace, standin_overrides
+from serve_helpers import (
+    context,
+    free_port,
+    leftover_guard,
+    leftovers,
+    make_workspace,
+    standin_overrides,
+)
 
 from dsv4_offload import supervisor as sv
 from dsv4_offload.stage import Status
 from dsv4_offload.stages import serve
 
-pytest_plugins = ("serve_helpers",)  # the no_leftovers fixture
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path) -> Iterator[str]:
+    yield from leftover_guard(tmp_path)
 
 
 def _serve(tmp_path: Path, tag: str, *args: str, timeout: float = 20, **options):
