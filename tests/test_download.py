@@ -36,8 +36,13 @@ def hub():  # type: ignore[no-untyped-def]
         yield h
 
 
+TINY_BYTES = sum(len(d) for d in tiny_model_repo("x/y").files.values())
+# the recipe's expected sizes scaled down to the stand-in repos
+SIZES = [f"weights.{w}.expected_bytes={TINY_BYTES}" for w in ("w8a8", "mxfp4")]
+
+
 def make_ctx(root: Path, **options: object) -> StageContext:
-    recipe, series = load_recipe_and_series(None)
+    recipe, series = load_recipe_and_series(None, SIZES)
     return StageContext(recipe=recipe, series=series, workspace=Workspace(root),
                         options=dict(options), stage="download")
 
@@ -183,7 +188,7 @@ def test_one_set_only_warns_about_the_other(tmp_path: Path, hub: StandinHub) -> 
 
 
 def test_unknown_revision_and_set_are_input_errors(tmp_path: Path, hub: StandinHub) -> None:
-    recipe, series = load_recipe_and_series(None, ["weights.mxfp4.revision=nope"])
+    recipe, series = load_recipe_and_series(None, [*SIZES, "weights.mxfp4.revision=nope"])
     ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
                        options={"endpoint": hub.url, "which": "mxfp4"}, stage="download")
     with pytest.raises(InputError, match="no revision 'nope'"):
@@ -198,3 +203,13 @@ def test_record_is_valid_json_listing(tmp_path: Path, hub: StandinHub) -> None:
     record = json.loads(ctx.workspace.weights_record("mxfp4").read_text())
     assert record["listing"]["resolved"] == hub.repos[MXFP4_REPO].commit
     assert set(record["verified"]) == set(hub.repos[MXFP4_REPO].files)
+
+
+def test_listing_far_from_the_recipe_size_warns(tmp_path: Path, hub: StandinHub) -> None:
+    recipe, series = load_recipe_and_series(None)  # the real ~150 GiB expectation
+    ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
+                       options={"endpoint": hub.url, "which": "mxfp4"}, stage="download")
+    result = download.run(ctx)
+    assert result.status is Status.WARN
+    size = [p for p in result.problems if p.check == "size"]
+    assert size and "the recipe expects about 150.0 GiB" in size[0].message

@@ -11,6 +11,9 @@ from standin_hub import StandinHub, tiny_model_repo
 
 MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
 W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
+TINY_BYTES = sum(len(d) for d in tiny_model_repo("x/y").files.values())
+SIZES = [arg for w in ("w8a8", "mxfp4")
+         for arg in ("--set", f"weights.{w}.expected_bytes={TINY_BYTES}")]
 
 
 @pytest.fixture
@@ -22,7 +25,7 @@ def env(tmp_path: Path) -> dict[str, str]:
 def test_download_json_then_status_shows_done(tmp_path: Path, env: dict[str, str]) -> None:
     ws = str(tmp_path / "ws")
     with StandinHub([tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO)]) as hub:
-        res = run_cli("--workspace", ws, "--json", "download",
+        res = run_cli("--workspace", ws, *SIZES, "--json", "download",
                       "--endpoint", f"huggingface={hub.url}",
                       "--endpoint", f"modelscope={hub.url}", env=env)
         assert res.code == 0, res
@@ -33,13 +36,13 @@ def test_download_json_then_status_shows_done(tmp_path: Path, env: dict[str, str
         assert outputs["mxfp4"]["resolved"] == hub.repos[MXFP4_REPO].commit
         assert outputs["w8a8"]["files"] == 4
         hub.requests.clear()
-        again = run_cli("--workspace", ws, "--json", "download", "mxfp4", "--endpoint", hub.url,
-                        env=env)
+        again = run_cli("--workspace", ws, *SIZES, "--json", "download", "mxfp4",
+                        "--endpoint", hub.url, env=env)
         assert again.code == 0, again
         assert hub.data_requests() == []
-    offline = run_cli("--workspace", ws, "--json", "download", "--offline", env=env)
+    offline = run_cli("--workspace", ws, *SIZES, "--json", "download", "--offline", env=env)
     assert offline.code == 0, offline
-    status = run_cli("--workspace", ws, "--json", "status", env=env)
+    status = run_cli("--workspace", ws, *SIZES, "--json", "status", env=env)
     stages = {s["name"]: s for s in status.json()["data"]["stages"]}
     assert stages["download"]["state"] == "done"
 

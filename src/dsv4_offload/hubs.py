@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,10 +255,11 @@ def check_content(local: Path, expected: HubFile,
 
 def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir: Path, *,
           max_workers: int = 4, on_file_done: Callable[[HubFile], None] | None = None,
-          ) -> dict[str, str]:
+          on_poll: Callable[[], None] | None = None) -> dict[str, str]:
     """Download ``files`` into ``local_dir`` with the hub's client; resumes partial files.
 
     Returns {path: error line} for the files that failed (the others are on disk).
+    ``on_poll`` is called about once a second while downloads run (byte progress).
     """
     local_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -266,20 +268,51 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()  # stages never print; progress goes through ctx.progress
-    failures: dict[str, str] = {}
-    with ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-        futures = {pool.submit(one, listing, f, local_dir, cache_dir): f for f in files}
-        for fut in as_completed(futures):
-            f = futures[fut]
+    todo: queue.SimpleQueue[HubFile | None] = queue.SimpleQueue()
+    done: queue.SimpleQueue[tuple[HubFile, str | None]] = queue.SimpleQueue()
+    for f in files:
+        todo.put(f)
+
+    def worker() -> None:
+        while (f := todo.get()) is not None:
             try:
-                fut.result()
+                one(listing, f, local_dir, cache_dir)
             except Exception as exc:  # any client error becomes one line for this file
                 text = str(exc).splitlines()[0] if str(exc) else ""
-                failures[f.path] = f"{type(exc).__name__}: {text[:200]}"
+                done.put((f, f"{type(exc).__name__}: {text[:200]}"))
             else:
-                if on_file_done:
-                    on_file_done(f)
+                done.put((f, None))
+
+    # daemon threads, not an executor: on Ctrl-C the command exits at once instead of
+    # waiting for every in-flight file; the clients' partial files stay and resume later
+    workers = max(1, min(max_workers, len(files)))
+    for _ in range(workers):
+        todo.put(None)
+        threading.Thread(target=worker, daemon=True, name="hub-fetch").start()
+    failures: dict[str, str] = {}
+    for _ in files:
+        while True:
+            try:
+                f, error = done.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if on_poll:
+                    on_poll()
+        if error is not None:
+            failures[f.path] = error
+        elif on_file_done:
+            on_file_done(f)
     return failures
+
+
+def partial_bytes(hub: str, local_dir: Path) -> int:
+    """Bytes sitting in the client's partial downloads under ``local_dir`` (for progress)."""
+    root = local_dir / ".cache" / "huggingface" / "download" if hub == "huggingface" else local_dir
+    total = 0
+    for p in root.rglob("*.incomplete") if root.is_dir() else ():
+        with contextlib.suppress(OSError):
+            total += p.stat().st_size
+    return total
 
 
 def _fetch_one_huggingface(listing: HubListing, f: HubFile, local_dir: Path,

@@ -26,6 +26,7 @@ WEIGHT_SETS = ("w8a8", "mxfp4")
 RECORD_SCHEMA = 1
 HASH_WORKERS = 2  # sha256 runs ~1.5 GB/s per thread; two saturate most disks
 GIB = 1 << 30
+SIZE_TOLERANCE = 0.2  # listing total vs recipe expected_bytes before we warn
 
 
 @dataclass
@@ -174,6 +175,15 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         log.write(f"{name}: {len(listing.files)} files, {listing.total_bytes} B, "
                   f"resolved {listing.resolved or '-'}, listing digest {listing.digest()}")
     report.listing = listing
+    if not offline and abs(listing.total_bytes - spec.expected_bytes) > \
+            SIZE_TOLERANCE * spec.expected_bytes:
+        report.problems.append(Problem(
+            "warning", f"{name}: {spec.repo_id}@{spec.revision} lists "
+            f"{listing.total_bytes / GIB:.1f} GiB, the recipe expects about "
+            f"{spec.expected_bytes / GIB:.1f} GiB (weights.{name}.expected_bytes)",
+            fix=f"check weights.{name}.repo_id, revision and allow_patterns (another "
+            "quantization or revision?); update expected_bytes if the hub is right",
+            check="size"))
     verified: dict[str, Any] = {} if repair or record is None else dict(record["verified"])
     if record is not None and record["listing"].get("resolved") != listing.resolved:
         verified = {}  # another commit: cached verdicts do not carry over
@@ -248,9 +258,18 @@ def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[h
     log.write(f"{name}: fetching {len(files)} file(s), {need} B: "
               f"{_sample([f.path for f in files])}")
     workers = int(ctx.option("max_workers", 4))
+    finished = [0]
+
+    def file_done(f: hubs.HubFile) -> None:
+        finished[0] += f.size
+        task.update(completed=finished[0])
+
+    def poll() -> None:
+        task.update(completed=finished[0] + hubs.partial_bytes(listing.hub, local_dir))
+
     with ctx.task(f"download {name}", total=need, unit="B") as task:
         failures = hubs.fetch(listing, files, local_dir, ctx.workspace.hub_cache_dir,
-                              max_workers=workers, on_file_done=lambda f: task.advance(f.size))
+                              max_workers=workers, on_file_done=file_done, on_poll=poll)
     for path, err in sorted(failures.items()):
         log.write(f"{name}: {path}: download failed: {err}")
         report.missing.append(path)
