@@ -107,7 +107,7 @@ def patch_reset(
     blocked = [r for r in rows if r["result"] == "blocked"]
     table = _table(("target", "result", "kept", "detail"),
                    [(r["target"], r["result"], " ".join(r["kept"]), r.get("message", ""))
-                    for r in rows])
+                    for r in rows], status_col=1)
     clikit.emit(ctx, command="patch reset", status="failed" if blocked else "ok",
                 data={"targets": rows, "log": str(log)}, table=table)
     clikit.exit_with(ExitCode.FAILED if blocked else ExitCode.OK)
@@ -162,6 +162,7 @@ def patch_check(
     from dsv4_offload.errors import InputError
 
     pctx = clikit.load_context(ctx, "patch")
+    gitsrc.require_git()
     revs: dict[str, str] = {}
     for item in rev:
         name, sep, ref = item.partition("=")
@@ -180,7 +181,8 @@ def patch_check(
     data: dict[str, Any] = report.as_dict()
     data["log"] = str(log)
     table = _table(("patch", "target", "base", "result", "detail"),
-                   [(r.name, r.target, r.base[:12], r.status, r.detail) for r in report.rows])
+                   [(r.name, r.target, r.base[:12], r.status, r.detail) for r in report.rows],
+                   status_col=3)
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     clikit.emit(ctx, command="patch check", status="ok" if report.ok else "failed", data=data,
                 table=table, lines=[f"patch check: {'ok' if report.ok else 'failed'} — {counts}"
@@ -188,7 +190,7 @@ def patch_check(
     clikit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
 
 
-def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Any:
+def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]], status_col: int = 2) -> Any:
     from rich.table import Table
 
     from dsv4_offload.render import styled
@@ -197,5 +199,5 @@ def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]]) -> Any:
     for col in columns:
         table.add_column(col, overflow="fold")
     for row in rows:
-        table.add_row(*[styled(str(v)) if i == 2 else str(v) for i, v in enumerate(row)])
+        table.add_row(*[styled(str(v)) if i == status_col else str(v) for i, v in enumerate(row)])
     return table

@@ -15,6 +15,7 @@ import contextlib
 import fcntl
 import os
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -71,9 +72,15 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def require_git() -> None:
+    if shutil.which("git") is None:
+        raise Dsv4Error("git is not installed or not on PATH; install it (apt-get install git)")
+
+
 def git_version() -> str:
     import git
 
+    require_git()
     return ".".join(str(p) for p in git.Git().version_info)
 
 

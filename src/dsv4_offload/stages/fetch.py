@@ -22,6 +22,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> StageResult:
+    gitsrc.require_git()
     recipe, ws = ctx.recipe, ctx.workspace
     mirrors = gitsrc.mirrors_from(ctx.option("mirrors", []), recipe)
     force = bool(ctx.option("force", False))
@@ -65,9 +66,12 @@ def run(ctx: StageContext) -> StageResult:
                ("created", "pinned", "patched", "recreated")}
     failed = [p for p in problems if p.severity == "error"]
     placed = sum(1 for r in rows if r["name"] in outputs)
-    fetched = sum(1 for r in rows if r.get("cache") not in (None, "cached", "failed"))
+    fetched = sum(1 for r in rows if r.get("cache") in ("sha", "ref", "heads"))
+    cached = sum(1 for r in rows if r.get("cache") == "cached")
+    unreachable = sum(1 for r in rows if r.get("cache") == "failed")
     summary = (f"{placed}/{len(rows)} sources at their pinned commits; {fetched} fetched "
-               f"({_human(total_bytes)}), {len(rows) - fetched} from the cache")
+               f"({_human(total_bytes)}), {cached} from the cache"
+               + (f", {unreachable} unreachable" if unreachable else ""))
     warned = any(p.severity == "warning" for p in problems)
     status = Status.FAILED if failed else (Status.WARN if warned else Status.OK)
     return StageResult(status, summary, data={"sources": rows, "cache": str(gitsrc.cache_root())},

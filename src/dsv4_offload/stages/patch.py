@@ -21,6 +21,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> StageResult:
+    gitsrc.require_git()
     log = ctx.log_dir / "apply.log"
     only = ctx.option("only") or None
     outcomes = series_ops.apply_series(ctx.recipe, ctx.series, ctx.workspace, log,
