@@ -212,6 +212,9 @@ def test_hooks_installed_by_the_build_are_reported(ws: Path) -> None:
     hooks = [p for p in result.problems if p.check == "git-hooks"]
     assert hooks and "pre-commit" in hooks[0].message
     assert result.data["steps"]["kt-kernel"]["hooks_added"] == ["pre-commit"]
+    again = build.run(make_ctx(ws, [kt_step()]))
+    assert again.data["steps"]["kt-kernel"]["hooks_added"] == []  # reported once
+    assert again.data["git_hooks"] == ["pre-commit"]  # but still listed
 
 
 def test_fingerprint_follows_the_patched_heads(ws: Path) -> None:

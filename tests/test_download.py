@@ -213,3 +213,21 @@ def test_listing_far_from_the_recipe_size_warns(tmp_path: Path, hub: StandinHub)
     assert result.status is Status.WARN
     size = [p for p in result.problems if p.check == "size"]
     assert size and "the recipe expects about 150.0 GiB" in size[0].message
+
+
+def test_hand_copied_weights_offline_get_a_structure_check(tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path, which="mxfp4", local_dir_only=True)
+    target = weights(ctx, "mxfp4")
+    target.mkdir(parents=True)
+    for path, data in tiny_model_repo(MXFP4_REPO).files.items():
+        (target / path).write_bytes(data)
+    result = download.run(ctx)
+    assert result.status is Status.WARN
+    assert any("only the structure was checked" in p.message for p in result.problems)
+    assert not ctx.workspace.weights_record("mxfp4").exists()  # online run still verifies all
+
+    shard = target / SHARD
+    shard.write_bytes(shard.read_bytes()[:-100])  # a copy cut short
+    truncated = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
+    assert truncated.status is Status.FAILED
+    assert SHARD in truncated.problems[0].message and "truncated" in truncated.problems[0].message

@@ -223,6 +223,7 @@ def run(ctx: StageContext) -> StageResult:
                 fix="nothing is needed for dsv4-offload (the patch stage commits with hooks "
                 f"disabled); remove them if you commit there by hand: rm {hooks_dir}/<name>",
                 check="git-hooks"))
+    data["git_hooks"] = sorted(_hooks(hooks_dir))  # all of them, also from earlier builds
     failed = [r for r in reports if r.status == "failed"]
     outputs = _outputs(ctx, python, reports)
     not_built = [s.name for s in ctx.recipe.build.steps

@@ -159,12 +159,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
 
     if offline:
         if record is None:
-            report.problems.append(Problem(
-                "error", f"{name}: no hub listing recorded for {spec.repo_id}@{spec.revision}, "
-                "so the local files cannot be checked offline",
-                fix=f"run `dsv4-offload download {name}` once with network access "
-                f"(or copy {record_path} from the machine that downloaded them)", check=name))
-            return report
+            return check_structure_only(ctx, name, local_dir, record_path, report, log)
         listing = hubs.HubListing.from_dict(record["listing"], str(record_path))
         log.write(f"{name}: offline, using the listing recorded {record.get('listed')}")
     else:
@@ -248,6 +243,63 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
             "info", f"{name}: {len(report.extra)} local file(s) not in the hub listing: "
             f"{_sample(report.extra)}", fix="leftovers of another revision can be deleted",
             check=name))
+    return report
+
+
+def check_structure_only(ctx: StageContext, name: str, local_dir: Path, record_path: Path,
+                         report: SetReport, log: DownloadLog) -> SetReport:
+    """Weights copied in by hand, never listed: check they are whole, as far as files tell.
+
+    Every shard the index names must exist and open (safetensors checks that its header's
+    offsets cover the file exactly, so a truncated copy fails). No hashes exist to compare
+    with, so the result is a warning, and no record is written: the next online run
+    verifies everything.
+    """
+    spec = getattr(ctx.recipe.weights, name)
+    no_record = (f"run `dsv4-offload download {name}` once with network access (or copy "
+                 f"{record_path} from the machine that downloaded them)")
+    shards = sorted(local_dir.glob("*.safetensors")) if local_dir.is_dir() else []
+    if not shards:
+        report.problems.append(Problem(
+            "error", f"{name}: no hub listing recorded for {spec.repo_id}@{spec.revision} and "
+            f"no *.safetensors in {local_dir}", fix=no_record, check=name))
+        return report
+    wanted = {p.name for p in shards}
+    index = local_dir / "model.safetensors.index.json"
+    if index.is_file():
+        doc = read_json(index, {})
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict):
+            report.problems.append(Problem(
+                "error", f"{name}: {index}: no 'weight_map' object", fix=no_record, check=name))
+            return report
+        wanted |= {str(v) for v in weight_map.values()}
+    from safetensors import safe_open
+
+    bad: list[str] = []
+    for shard in sorted(wanted):
+        try:
+            with safe_open(str(local_dir / shard), framework="numpy"):
+                pass
+        except Exception as exc:  # safetensors raises its own error types; any is a bad copy
+            bad.append(shard)
+            log.write(f"{name}: {shard}: {type(exc).__name__}: {str(exc)[:200]}")
+    if bad:
+        report.missing = bad
+        report.problems.append(Problem(
+            "error", f"{name}: {len(bad)} shard(s) missing or truncated in {local_dir}: "
+            f"{_sample(bad)}", fix=no_record, check=name))
+        return report
+    files = [hubs.HubFile(p.relative_to(local_dir).as_posix(), p.stat().st_size)
+             for p in sorted(local_dir.rglob("*")) if p.is_file()
+             and not any(part.startswith(".") for part in p.relative_to(local_dir).parts)]
+    report.listing = hubs.HubListing(spec.hub, spec.repo_id, spec.revision, None, "local",
+                                     files)
+    report.problems.append(Problem(
+        "warning", f"{name}: no hub listing recorded, so only the structure was checked "
+        f"({len(wanted)} shards open and are whole); nothing was hashed",
+        fix=f"run `dsv4-offload download {name}` online once to verify sizes and sha256",
+        check=name))
     return report
 
 
