@@ -294,3 +294,15 @@ def test_build_command_json_and_exit_codes(ws: Path) -> None:
     assert "the recipe wants 3.99" in broken.out + broken.err
     unknown = run_cli("--workspace", str(ws), "--recipe", recipe, "build", "cuda")
     assert unknown.code == 2 and "unknown step 'cuda'" in unknown.err
+
+
+def test_build_with_python_option_stays_done_in_status(ws: Path) -> None:
+    from dsv4_offload import pipeline
+
+    ctx = make_ctx(ws, [sglang_step()], sets={"build.python": "python-not-installed"})
+    with ctx.workspace.lock("build"):
+        result = pipeline.run_stage(ctx, "build", {"python": sys.executable})
+    assert result.ok, result.problems
+    status = {s.name: s for s in pipeline.pipeline_status(make_ctx(
+        ws, [sglang_step()], sets={"build.python": "python-not-installed"}))}
+    assert status["build"].state == "done", status["build"]

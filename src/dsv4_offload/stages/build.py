@@ -88,7 +88,12 @@ def selected_steps(ctx: StageContext) -> list[BuildStep]:
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Interpreter and compiler versions, and the HEAD of every patched source."""
-    python = build_python(ctx)
+    python = ctx.option("python")
+    if python is None:
+        # `status` has no --python: take the interpreter the last build used, so a build
+        # made with --python does not look stale afterwards
+        record = ctx.workspace.read_state().get("stages", {}).get("build", {})
+        python = (record.get("outputs") or {}).get("python") or ctx.recipe.build.python
     cc = ctx.recipe.platform.cc or "gcc"
     out = {
         "python": python_version(python) or "missing",
