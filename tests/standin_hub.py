@@ -61,6 +61,17 @@ class Request:
     range: str | None
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: object, client_address: object) -> None:
+        # clients drop connections mid-body when they reject data: not a server fault
+        import sys
+
+        if not isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            super().handle_error(request, client_address)  # type: ignore[arg-type]
+
+
 class StandinHub:
     """Start with ``with StandinHub(repos) as hub:``; ``hub.url`` is the endpoint."""
 
@@ -68,8 +79,7 @@ class StandinHub:
         self.repos = {r.repo_id: r for r in repos}
         self.requests: list[Request] = []
         self._lock = threading.Lock()
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
-        self._server.daemon_threads = True
+        self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
 
     @property

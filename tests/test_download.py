@@ -231,3 +231,18 @@ def test_hand_copied_weights_offline_get_a_structure_check(tmp_path: Path) -> No
     truncated = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
     assert truncated.status is Status.FAILED
     assert SHARD in truncated.problems[0].message and "truncated" in truncated.problems[0].message
+
+
+def test_modelscope_client_rejecting_bad_bytes_is_reported(tmp_path: Path, hub: StandinHub,
+                                                            capfd: pytest.CaptureFixture[str]
+                                                            ) -> None:
+    hub.repos[W8A8_REPO].corrupt_served.add(SHARD)
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="w8a8")
+    result = download.run(ctx)
+    assert result.status is Status.FAILED
+    (error,) = [p for p in result.problems if p.severity == "error"]
+    assert SHARD in error.message and "Hash mismatch" in error.message
+    assert not (weights(ctx, "w8a8") / SHARD).exists()
+    out, err = capfd.readouterr()
+    assert out == "" and err == ""  # the client's bars and warnings went to the stage log
+    assert "Hash validation failed" in (ctx.log_dir / "download.log").read_text()

@@ -14,7 +14,7 @@ import hashlib
 import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -189,6 +189,63 @@ def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
              for e in entries if getattr(e, "type", "blob") != "tree"]
     # ModelScope's listing names no repo-wide commit; the listing digest stands in for it
     return HubListing("modelscope", repo_id, revision, None, endpoint, files)
+
+
+# --- client output ------------------------------------------------------------------------
+
+CLIENT_LOGGERS = ("huggingface_hub", "modelscope_hub", "modelscope")
+
+
+@contextlib.contextmanager
+def client_output_to(log: Path) -> Iterator[None]:
+    """Send the hub clients' log lines to ``log`` and silence their progress bars.
+
+    Stages never print; the clients log to stderr and draw tqdm bars there. modelscope's
+    downloader draws its bars unconditionally, so its module's tqdm is swapped for a
+    disabled one for the duration (restored after).
+    """
+    import logging
+
+    log.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    saved = []
+    for name in CLIENT_LOGGERS:
+        logger = logging.getLogger(name)
+        saved.append((logger, list(logger.handlers), logger.propagate))
+        logger.handlers = [handler]
+        logger.propagate = False
+    restore_tqdm = _silence_modelscope_bars()
+    try:
+        yield
+    finally:
+        restore_tqdm()
+        for logger, handlers, propagate in saved:
+            logger.handlers = handlers
+            logger.propagate = propagate
+        handler.close()
+
+
+def _silence_modelscope_bars() -> Callable[[], None]:
+    try:
+        from modelscope_hub import _download as ms_download
+    except ImportError:
+        return lambda: None
+    original = getattr(ms_download, "tqdm", None)
+    if original is None:
+        return lambda: None
+
+    class SilentBar(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            kwargs["disable"] = True
+            super().__init__(*args, **kwargs)
+
+    ms_download.tqdm = SilentBar
+
+    def restore() -> None:
+        ms_download.tqdm = original
+
+    return restore
 
 
 # --- local copies --------------------------------------------------------------------------

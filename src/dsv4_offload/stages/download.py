@@ -82,7 +82,8 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     log = DownloadLog(ctx.log_dir / "download.log")
-    reports = [download_set(ctx, name, log) for name in sets]
+    with hubs.client_output_to(log.path):
+        reports = [download_set(ctx, name, log) for name in sets]
     problems = [p for r in reports for p in r.problems]
     data = {r.name: _report_data(ctx, r) for r in reports}
     outputs = _outputs(ctx, reports)
