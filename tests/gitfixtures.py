@@ -350,8 +350,9 @@ def repo_state(path: Path) -> dict[str, str]:
 
 
 def write_git_shim(dir: Path, block_on: str, nth: int, reached: Path) -> Path:
-    """A ``git`` on PATH that runs the real one but blocks at the nth ``block_on`` command,
-    so a test can SIGKILL the tool at a known point in the middle of an apply."""
+    """A ``git`` on PATH that runs the real one but blocks at the nth ``block_on`` command
+    (writing its pid to ``reached``), so a test can SIGKILL the tool and that git at a known
+    point in the middle of an apply."""
     real = shutil.which("git")
     dir.mkdir(parents=True, exist_ok=True)
     counter = dir / "count"
@@ -360,7 +361,9 @@ def write_git_shim(dir: Path, block_on: str, nth: int, reached: Path) -> Path:
 case " $* " in
   *" {block_on} "*)
     n=$(cat "{counter}" 2>/dev/null || echo 0); n=$((n+1)); echo "$n" > "{counter}"
-    if [ "$n" -eq {nth} ]; then touch "{reached}"; sleep 120; fi ;;
+    if [ "$n" -eq {nth} ]; then
+      echo $$ > "{reached}.tmp"; mv "{reached}.tmp" "{reached}"; exec sleep 120
+    fi ;;
 esac
 exec "{real}" "$@"
 """)

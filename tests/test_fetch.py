@@ -182,3 +182,19 @@ def test_fetch_again_keeps_a_patched_tree(tmp_path: Path, upstreams: Upstreams,
     assert _sources(doc)["main"]["checkout"] == "patched"
     assert heads == {n: git(ws / p, "rev-parse", "HEAD") for n, p in
                      (("main", "src/main"), ("sub", "src/main/third_party/sub"))}
+
+
+def test_fetch_recovers_from_a_checkout_interrupted_half_way(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_project(tmp_path / "p", upstreams, upstreams.good)
+    ws = tmp_path / "ws"
+    # what a killed fetch leaves: a half-made repository beside the target, and the
+    # empty gitlink placeholder of a nested checkout
+    partial = ws / "src" / ".main.dsv4-partial"
+    (partial / ".git").mkdir(parents=True)
+    (partial / "half-written").write_text("x")
+    code, doc = run_cli(project.cli(ws) + ["fetch"], capsys)
+    assert code == 0, doc
+    assert not partial.exists()
+    assert git(ws / "src/main", "rev-parse", "HEAD") == upstreams.commits["main"]
+    assert sorted(p.name for p in (ws / "src").iterdir()) == ["delivery", "main"]

@@ -255,8 +255,10 @@ def test_sigkill_in_the_middle_of_apply_is_recovered(
             assert time.monotonic() < deadline, "the apply never reached its second commit"
             time.sleep(0.02)
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the tool...
         proc.wait()
+        if reached.exists():  # ...and the git it was running (its own process group)
+            os.kill(int(reached.read_text()), signal.SIGKILL)
     main = ws / MAIN
     # killed half-way: one patch committed, the next one staged, the crash marker set
     assert len(_subjects(main, upstreams.commits["main"])) == 1

@@ -412,24 +412,37 @@ def move_aside(path: Path) -> Path:
     return target
 
 
+def partial_path(path: Path) -> Path:
+    """Where a checkout is built before it is renamed into place."""
+    return path.with_name(f".{path.name}.dsv4-partial")
+
+
 def create_checkout(path: Path, source: Source, log: Path) -> None:
-    """A fresh repository at ``path``, copied from the cache, on a branch at the pinned commit."""
+    """A fresh repository at ``path``, copied from the cache, on a branch at the pinned commit.
+
+    Built beside the target and renamed into place, so an interrupted fetch never leaves a
+    half-made checkout that the next run would have to call "not ours".
+    """
     from dsv4_offload.runner import run_command
 
     env = git_env()
     cache = cache_repo_path(source.name)
-    path.mkdir(parents=True, exist_ok=True)
-    run_command(["git", "init", "-q", str(path)], log=log, env=env)
+    work = partial_path(path)
+    if work.exists():  # left by an interrupted run; the name is ours alone
+        shutil.rmtree(work)
+    work.parent.mkdir(parents=True, exist_ok=True)
+    run_command(["git", "init", "-q", str(work)], log=log, env=env)
     # by ref name, not SHA: a user's protocol.version=0 would refuse a bare SHA even locally
     run_command(["git", "fetch", "-q", "--no-tags", "--depth", "1", str(cache),
-                 f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=path, env=env)
+                 f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=work, env=env)
     run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.commit],
-                log=log, cwd=path, env=env)
-    git_ok(path, "remote", "add", "origin", source.url)
-    head = head_commit(path)
+                log=log, cwd=work, env=env)
+    git_ok(work, "remote", "add", "origin", source.url)
+    head = head_commit(work)
     if head != source.commit:
         raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.commit}; "
                         "the cache may be corrupt: move it aside and rerun", log=str(log))
+    os.rename(work, path)  # replaces an empty directory (a gitlink placeholder) atomically
 
 
 def checkout_order(recipe: Recipe) -> list[Source]:

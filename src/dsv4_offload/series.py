@@ -38,7 +38,10 @@ PRE_SERIES_REF = "refs/dsv4/pre-series"  # set while an apply is under way: a cr
 PATCHED_REF_PREFIX = "refs/dsv4/patched-"
 DIRTY_REF_PREFIX = "refs/dsv4/dirty-"
 CHECK_FUZZ = 2  # GNU patch's default: what "needs fuzz" means in a check
-NO_HOOKS = ["-c", "core.hooksPath=/dev/null"]  # kt-kernel's CMake installs commit hooks
+# kt-kernel's CMake installs commit hooks; a user's signing or whitespace settings must not
+# change or break our commits
+NO_HOOKS = ["-c", "core.hooksPath=/dev/null", "-c", "commit.gpgSign=false",
+            "-c", "apply.whitespace=nowarn"]
 
 # classification of one patch against a tree
 CLEAN, OFFSET, FUZZ, FAILS, UPSTREAM = "clean", "offset", "fuzz", "fails", "already-upstream"
@@ -174,7 +177,7 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
             amend += ["--trailer", t]
         _git(repo_dir, [*NO_HOOKS, *amend], log, env)
     else:
-        _git(repo_dir, ["apply", "--index", strip, str(patch_file)], log, env)
+        _git(repo_dir, [*NO_HOOKS, "apply", "--index", strip, str(patch_file)], log, env)
         with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
             fh.write(commit_message(patch))
         try:
