@@ -155,10 +155,10 @@ def test_server_exiting_before_ready_shows_its_last_lines(tmp_path, no_leftovers
     assert any("boom" in line for line in result.data["tail"])
 
 
-def test_fingerprint_says_whether_the_server_runs(tmp_path, no_leftovers):
+def test_fingerprint_changes_when_the_server_dies(tmp_path, no_leftovers):
     ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", detach=True)
-    assert serve.fingerprint_inputs(ctx) == {"server": "stopped"}
+    before = serve.fingerprint_inputs(ctx)
     serve.run(ctx)
-    assert serve.fingerprint_inputs(ctx)["server"].startswith("running pid ")
+    assert serve.fingerprint_inputs(ctx) == before  # started: `serve` stays done
     sv.stop_recorded(ctx.workspace.serve_record, 3)
-    assert serve.fingerprint_inputs(ctx) == {"server": "stopped"}
+    assert serve.fingerprint_inputs(ctx) != before  # stopped: `run` starts it again

@@ -213,8 +213,12 @@ def build_plan(
     device: int | None = None,
     longest_prompt: int | None = None,
     gpu_experts: int | None = None,
+    require_layers: bool = True,
 ) -> ServePlan:
-    """Derive argv and env. ``script_env`` is what the CANN scripts set (capture_script_env)."""
+    """Derive argv and env. ``script_env`` is what the CANN scripts set (capture_script_env).
+
+    Missing GGUF layer files are an error, or with ``require_layers=False`` a note.
+    """
     s = recipe.serve
     own_command = s.command is not None
     notes: list[str] = []
@@ -237,7 +241,10 @@ def build_plan(
     model_path = str(workspace.weights_dir(recipe, "w8a8"))
     weight_path = weight_template(workspace, recipe)
     missing = missing_layer_files(workspace, recipe)
-    if missing:
+    if missing and not require_layers:
+        notes.append(f"{len(missing)} of {recipe.conversion.layers} GGUF layer files missing "
+                     f"(first: {missing[0]}); run `dsv4-offload convert`")
+    elif missing:
         raise InputError(
             f"{missing[0]}: GGUF layer file missing ({len(missing)} of "
             f"{recipe.conversion.layers} absent; --kt-weight-path {weight_path} must resolve "

@@ -35,22 +35,32 @@ def host_facts(ctx: StageContext) -> Any:
     return probe_host(ctx.workspace.root)
 
 
-def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = None) -> ServePlan:
-    """The plan for this context: host facts, the CANN scripts' env, then the pure rules."""
+def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = None,
+              strict: bool = True) -> ServePlan:
+    """The plan for this context: host facts, the CANN scripts' env, then the pure rules.
+
+    Not ``strict`` (for --print): a missing CANN toolkit becomes a note, not an error.
+    """
     facts = facts if facts is not None else host_facts(ctx)
     serve = ctx.recipe.serve
     base = inherited_env()
     scripts = cann_scripts(serve, facts.cann_toolkit)
-    if scripts and not scripts[0].is_file() and serve.command is None:
-        raise Dsv4Error(f"{scripts[0]}: CANN set_env script not found; install the CANN toolkit "
-                        "or set ASCEND_TOOLKIT_HOME (see `dsv4-offload doctor`)")
-    if not scripts and serve.command is None:
-        raise Dsv4Error("no CANN toolkit found (ASCEND_TOOLKIT_HOME unset, no "
-                        "ascend_toolkit_install.info); install CANN or set ASCEND_TOOLKIT_HOME")
+    problem = None
+    if scripts and not scripts[0].is_file():
+        problem = (f"{scripts[0]}: CANN set_env script not found; install the CANN toolkit "
+                   "or set ASCEND_TOOLKIT_HOME (see `dsv4-offload doctor`)")
+    elif not scripts:
+        problem = ("no CANN toolkit found (ASCEND_TOOLKIT_HOME unset, no "
+                   "ascend_toolkit_install.info); install CANN or set ASCEND_TOOLKIT_HOME")
+    if problem and strict and serve.command is None:
+        raise Dsv4Error(problem)
     script_env = capture_script_env(scripts, base, cache_dir=ctx.workspace.run_dir)
-    return build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
+    plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
                       device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
-                      gpu_experts=gpu_experts)
+                      gpu_experts=gpu_experts, require_layers=strict)
+    if problem:
+        plan.notes.append(problem.split(";")[0] + ": its environment is not included")
+    return plan
 
 
 def ladder(start: int, rungs: list[int]) -> list[int]:
@@ -59,10 +69,13 @@ def ladder(start: int, rungs: list[int]) -> list[int]:
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
-    # a server that died since makes `serve` stale, so `run` starts it again
+    # A server that died since makes `serve` stale, so `run` starts it again. The value
+    # is the same before a first start and while the server runs, because the pipeline
+    # takes the fingerprint before the stage runs.
     record = sv.read_record(ctx.workspace.serve_record)
-    alive = sv.record_alive(record)
-    return {"server": f"running pid {record.server_pid}" if alive and record else "stopped"}
+    if record is None or sv.record_alive(record):
+        return {"server": "up or never started"}
+    return {"server": f"{record.state} (exit code {record.exit_code})"}
 
 
 def run(ctx: StageContext) -> StageResult:

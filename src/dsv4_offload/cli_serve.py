@@ -1,0 +1,204 @@
+"""Commands for serving and acceptance: ``serve [status|logs|stop]`` and ``accept``.
+
+Only typer and clikit at import time; the supervisor, probes and rich load inside commands.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import typer
+
+from dsv4_offload import clikit
+from dsv4_offload.errors import ExitCode
+
+serve_app = typer.Typer()  # its help is the callback's docstring
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(serve_app, name="serve")
+    app.command("accept")(accept)
+
+
+@serve_app.callback(invoke_without_command=True)
+def serve(
+    ctx: typer.Context,
+    print_only: bool = typer.Option(False, "--print",
+                                    help="Show the exact command and environment; run nothing."),
+    detach: bool = typer.Option(False, "--detach",
+                                help="Leave the server under a background supervisor."),
+    device: int | None = typer.Option(None, "--device", help="NPU id (default: the idlest "
+                                      "healthy card npu-smi reports)."),
+    longest_prompt: int | None = typer.Option(
+        None, "--longest-prompt", metavar="TOKENS",
+        help="Longest prompt you will send; the chunked prefill is raised to cover it."),
+) -> None:
+    """Start the hybrid server, supervised, and wait until it answers.
+
+    1. Derive flags and env from the recipe and this host: threadpool = NUMA nodes,
+       CPU-infer threads = 16 per node below the core count, chunked prefill >= the
+       longest prompt, KT_NSA_COMPRESSOR_MODE from CANN, the card from --device or the
+       idlest healthy NPU, the CANN set_env scripts' environment, proxies removed.
+    2. Start it as a child in its own process group, its log under logs/serve/; with
+       --detach a small supervisor holds it and the command returns once ready.
+    3. Ready = /health then /health_generate answer 200 within serve.readiness_timeout_s.
+       A known fatal log line stops the wait at once with its fix; a KV-cache or HBM
+       failure retries with fewer resident experts down serve.gpu_experts_ladder.
+    """
+    if ctx.invoked_subcommand is not None:
+        return
+    options: dict[str, Any] = {"detach": detach, "device": device,
+                               "longest_prompt": longest_prompt}
+    if print_only:
+        _print_plan(ctx, options)
+        return
+    clikit.run_stage(ctx, "serve", options)
+
+
+def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
+    from dsv4_offload.stages import serve as serve_stage
+
+    sctx = clikit.load_context(ctx, "serve", options)
+    plan = serve_stage.make_plan(sctx, strict=False)
+    lines = [f"# {note}" for note in plan.notes]
+    lines += [f"# {k}: {v}" for k, v in plan.derived.items() if k.endswith("_reason")]
+    lines.append(plan.shell())
+    clikit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
+                lines=lines)
+
+
+@serve_app.command("status")
+def serve_status(ctx: typer.Context) -> None:
+    """Is the supervised server running and healthy? Exit 0 if so, 1 if not."""
+    import requests
+
+    from dsv4_offload import supervisor as sv
+
+    sctx = clikit.load_context(ctx, "serve")
+    record = sv.read_record(sctx.workspace.serve_record)
+    alive = sv.record_alive(record)
+    data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
+    healthy = False
+    if alive and record is not None:
+        try:
+            path = sctx.recipe.serve.health_paths[0]
+            healthy = requests.get(record.url + path, timeout=5,
+                                   proxies={"http": "", "https": ""}).status_code == 200
+        except requests.RequestException:
+            healthy = False
+    data["healthy"] = healthy
+    if record is None:
+        line = "no server started from this workspace"
+    elif alive:
+        line = (f"running: {record.url} pid {record.server_pid} (supervisor "
+                f"{record.supervisor_pid}), {record.kt_num_gpu_experts} resident experts, "
+                f"{'healthy' if healthy else 'not answering /health yet'}; log {record.log}")
+    else:
+        line = f"not running ({record.state}, exit code {record.exit_code}); log {record.log}"
+    clikit.emit(ctx, command="serve status", status="ok" if alive else "failed", data=data,
+                lines=[line])
+    clikit.exit_with(ExitCode.OK if alive else ExitCode.FAILED)
+
+
+@serve_app.command("logs")
+def serve_logs(
+    ctx: typer.Context,
+    follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
+    lines: int = typer.Option(50, "--lines", "-n", help="How many last lines to show."),
+) -> None:
+    """The server's log: the last lines, and with -f the new ones until Ctrl-C."""
+    import sys
+
+    from dsv4_offload import supervisor as sv
+    from dsv4_offload.errors import InputError
+    from dsv4_offload.stages import serve as serve_stage
+
+    sctx = clikit.load_context(ctx, "serve")
+    log = serve_stage.server_log(sctx)
+    if log is None:
+        raise InputError(f"no server log under {sctx.log_dir}; start one with `dsv4-offload "
+                         "serve`")
+    text = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+    g = clikit.options_of(ctx)
+    if g.json:
+        clikit.emit(ctx, command="serve logs", status="ok", data={"log": str(log), "lines": text})
+        return
+    for line in text:
+        sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+    if not follow:
+        return
+    follower = sv.LogFollower(log)
+    try:
+        while True:
+            for line in follower.new_lines():
+                sys.stdout.write(line + "\n")
+            sys.stdout.flush()
+            if not sv.record_alive(sv.read_record(sctx.workspace.serve_record)):
+                for line in follower.new_lines():
+                    sys.stdout.write(line + "\n")
+                return
+            time.sleep(0.3)
+    except KeyboardInterrupt:
+        return
+
+
+@serve_app.command("stop")
+def serve_stop(ctx: typer.Context) -> None:
+    """Stop the server: SIGINT, then SIGTERM, then SIGKILL on its process group."""
+    from dsv4_offload import supervisor as sv
+
+    sctx = clikit.load_context(ctx, "serve")
+    record = sv.read_record(sctx.workspace.serve_record)
+    if not sv.record_alive(record):
+        clikit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},
+                    lines=["no server running"])
+        return
+    stopped, how = sv.stop_recorded(sctx.workspace.serve_record,
+                                    sctx.recipe.serve.stop_timeout_s)
+    pid = stopped.server_pid if stopped else None
+    clikit.emit(ctx, command="serve stop", status="ok", data={"stopped": True, "signal": how,
+                                                             "pid": pid},
+                lines=[f"stopped pid {pid} ({how})"])
+
+
+def accept(
+    ctx: typer.Context,
+    url: str | None = typer.Option(None, "--url", help="Server to check (default: the one "
+                                   "`serve` started, else serve.host:port)."),
+    api: str | None = typer.Option(None, "--api", help="native (sglang /generate) or openai "
+                                   "(/v1/completions, /v1/chat/completions)."),
+    model: str | None = typer.Option(None, "--model", help="Model name for an OpenAI server."),
+    probes: str | None = typer.Option(None, "--probes", metavar="FILE",
+                                      help="YAML list of probes instead of the recipe's."),
+) -> None:
+    """Check the running server: coherent, deterministic, fast enough.
+
+    1. /health and /health_generate answer 200 (/v1/models with --api openai).
+    2. Each greedy probe is non-empty, free of degeneration (runs of one character or
+       token, repeated n-grams, NaN, U+FFFD) and mentions what it must; the
+       determinism probe gives the same text twice.
+    3. The server log has the KV pool sizes and the NPU graph capture, and no streaming
+       or hybrid fallback.
+    4. Decode tok/s (median of repeats, after a warm-up) and time to first token per
+       prompt-length bucket, against the recipe's reference; JSON report and PNG chart
+       under reports/, the verdict in provenance.json.
+    """
+    from dsv4_offload import pipeline
+    from dsv4_offload.render import checks_table, console
+
+    options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes}
+    sctx = clikit.load_context(ctx, "accept", options)
+    with sctx.workspace.lock("accept"):
+        result = pipeline.run_stage(sctx, "accept", options)
+    g = clikit.options_of(ctx)
+    if not g.json and not g.quiet and result.data.get("checks"):
+        rows = [{"name": c["name"], "observed": c["detail"],
+                 "status": {True: "pass", False: "fail", None: "skipped"}[c["ok"]]}
+                for c in result.data["checks"]]
+        console().print(checks_table(rows))
+        if result.data.get("chart"):
+            console().print(f"report {result.data['report']}, chart {result.data['chart']}")
+    clikit.emit_result(ctx, "accept", result)
+    clikit.exit_with(clikit.result_exit_code(result))

@@ -1,0 +1,105 @@
+"""`dsv4-offload serve ...` and `accept` as a user runs them, against fixture hosts."""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from serve_helpers import free_port, leftover_guard, leftovers, make_workspace, standin_overrides
+
+HOSTS = Path(__file__).parent / "fixtures" / "hosts"
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path) -> Iterator[str]:
+    yield from leftover_guard(tmp_path)
+
+
+def host_env(name: str) -> dict[str, str]:
+    root = HOSTS / name
+    env = {"DSV4_HOST_ROOT": str(root)}
+    if (root / "npu-smi-info.txt").is_file():
+        env["DSV4_NPU_SMI"] = f"cat {shlex.quote(str(root / 'npu-smi-info.txt'))}"
+    return env
+
+
+def test_serve_print_on_the_kunpeng_host_shows_the_launch_line(tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    res = run_cli("--workspace", str(ws.root), "--json", "serve", "--print",
+                  env=host_env("kunpeng920-910b"))
+    assert res.code == 0, res
+    doc = res.json()
+    assert doc["schema"] == 1 and doc["command"] == "serve" and doc["status"] == "ok"
+    argv = doc["data"]["argv"]
+    assert argv[1:3] == ["-m", "sglang.launch_server"]
+    assert argv[argv.index("--kt-threadpool-count") + 1] == "8"
+    assert argv[argv.index("--kt-cpuinfer") + 1] == "128"
+    assert doc["data"]["env_set"]["KT_NSA_COMPRESSOR_MODE"] == "split"
+    # no CANN on this machine: shown as a note, the rest of the plan still printed
+    assert any("CANN set_env script not found" in n for n in doc["data"]["notes"])
+    human = run_cli("--workspace", str(ws.root), "serve", "--print", "--longest-prompt", "9000",
+                    env=host_env("kunpeng920-910b"))
+    assert human.code == 0, human
+    assert "--chunked-prefill-size 9088" in human.out
+    assert "'--kt-weight-path'" not in human.out and "{layer_idx}" in human.out
+
+
+def test_serve_print_with_a_bad_device_is_one_line(tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    res = run_cli("--workspace", str(ws.root), "serve", "--print", "--device", "42",
+                  env=host_env("kunpeng920-910b"))
+    assert res.code == 2
+    assert res.err.strip().startswith("error: --device 42: npu-smi lists devices")
+    assert "Traceback" not in res.err
+
+
+def test_serve_without_npu_or_cann_says_what_to_do(tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    res = run_cli("--workspace", str(ws.root), "serve", env=host_env("x86-no-npu"))
+    assert res.code != 0
+    assert "CANN" in res.err and "Traceback" not in res.err
+
+
+def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
+            for a in ("--set", o)]
+    base = ["--workspace", str(ws.root), *sets]
+    env = host_env("x86-no-npu")
+    started = run_cli(*base, "serve", "--detach", env=env)
+    assert started.code == 0, started
+    assert f"http://127.0.0.1:{port}" in started.out
+    try:
+        status = run_cli(*base, "--json", "serve", "status", env=env)
+        assert status.code == 0, status
+        assert status.json()["data"]["running"] and status.json()["data"]["healthy"]
+        logs = run_cli(*base, "serve", "logs", "-n", "200", env=env)
+        assert "KV Cache is allocated" in logs.out
+        accepted = run_cli(*base, "accept", env=env)
+        assert accepted.code == 0, accepted
+        assert "probe capital-en" in accepted.out and "tok/s" in accepted.out
+        as_json = run_cli(*base, "--json", "accept", env=env)
+        assert as_json.code == 0 and as_json.json()["data"]["data"]["status"] == "ok"
+        state = run_cli(*base, "--json", "status", env=env)
+        stages = {s["name"]: s for s in state.json()["data"]["stages"]}
+        assert stages["serve"]["state"] == "done" and stages["accept"]["state"] == "done"
+    finally:
+        stopped = run_cli(*base, "serve", "stop", env=env)
+    assert stopped.code == 0 and "stopped pid" in stopped.out
+    assert not leftovers(no_leftovers)
+    after = run_cli(*base, "serve", "status", env=env)
+    assert after.code == 1 and "not running (stopped" in after.out
+
+
+def test_accept_against_a_dead_url_fails_with_a_fix(tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    res = run_cli("--workspace", str(ws.root), "--json", "accept", "--url",
+                  f"http://127.0.0.1:{free_port()}", "--api", "openai")
+    assert res.code == 1
+    doc = res.json()
+    assert doc["status"] == "failed"
+    assert "is the server up?" in doc["data"]["problems"][0]["message"]
