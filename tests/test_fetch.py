@@ -198,3 +198,19 @@ def test_fetch_recovers_from_a_checkout_interrupted_half_way(
     assert not partial.exists()
     assert git(ws / "src/main", "rev-parse", "HEAD") == upstreams.commits["main"]
     assert sorted(p.name for p in (ws / "src").iterdir()) == ["delivery", "main"]
+
+
+def test_progress_reads_bytes_from_git_output() -> None:
+    from dsv4_offload.gitsrc import _progress_reader
+    from dsv4_offload.stage import Progress
+
+    progress = Progress()
+    task = progress.task("fetch ktransformers", unit="bytes")
+    received = [0]
+    # one line as the runner hands it over: git's '\r'-redrawn progress of one phase
+    line = ("Receiving objects:   1% (71/7023)\rReceiving objects:  50% (3512/7023), "
+            "12.00 MiB | 11.9 MiB/s\rReceiving objects: 100% (7023/7023), 24.95 MiB | "
+            "12.1 MiB/s, done.")
+    _progress_reader(task, received)(line)
+    assert received[0] == int(24.95 * 1024**2)
+    assert task.completed == received[0]

@@ -16,6 +16,7 @@ import fcntl
 import os
 import re
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -225,12 +226,33 @@ def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[b
     from dsv4_offload.runner import CommandFailed, run_command
 
     received = [0]
+    done = threading.Event()
+    watcher = threading.Thread(target=_watch_incoming_pack, args=(repo, task, done), daemon=True)
+    watcher.start()
     try:
         run_command(["git", "fetch", "--progress", "--no-tags", "--no-write-fetch-head", *args],
                     log=log, cwd=repo, env=git_env(), on_line=_progress_reader(task, received))
     except CommandFailed as exc:
         return False, exc.excerpt[-1] if exc.excerpt else exc.message, received[0]
+    finally:
+        done.set()
+        watcher.join()
     return True, "", received[0]
+
+
+def _watch_incoming_pack(repo: Path, task: Task | None, done: threading.Event) -> None:
+    """Live byte counts: git only ends its '\r'-redrawn progress line when a phase is over,
+    so watch the pack it is receiving grow instead."""
+    if task is None:
+        return
+    pack_dir = repo / "objects" / "pack"
+    while not done.wait(0.25):
+        size = 0
+        for tmp in pack_dir.glob("tmp_pack_*"):
+            with contextlib.suppress(OSError):
+                size += tmp.stat().st_size
+        if size:
+            task.update(completed=size)
 
 
 def fetch_commit(source: Source, *, log: Path, mirrors: dict[str, list[str]] | None = None,
