@@ -306,3 +306,16 @@ def test_build_with_python_option_stays_done_in_status(ws: Path) -> None:
     status = {s.name: s for s in pipeline.pipeline_status(make_ctx(
         ws, [sglang_step()], sets={"build.python": "python-not-installed"}))}
     assert status["build"].state == "done", status["build"]
+
+
+def test_steps_built_one_at_a_time_add_up(ws: Path) -> None:
+    from dsv4_offload import pipeline
+
+    ctx = make_ctx(ws, [kt_step(), sglang_step()])
+    with ctx.workspace.lock("build"):
+        first = pipeline.run_stage(ctx, "build", {"steps": ["sglang"]})
+        assert first.status is Status.WARN
+        assert "not built yet: kt-kernel" in first.problems[-1].message
+        second = pipeline.run_stage(ctx, "build", {"steps": ["kt-kernel"]})
+    assert second.status is Status.OK, second.problems
+    assert set(second.outputs["steps"]) == {"kt-kernel", "sglang"}

@@ -246,3 +246,18 @@ def test_modelscope_client_rejecting_bad_bytes_is_reported(tmp_path: Path, hub: 
     out, err = capfd.readouterr()
     assert out == "" and err == ""  # the client's bars and warnings went to the stage log
     assert "Hash validation failed" in (ctx.log_dir / "download.log").read_text()
+
+
+def test_sets_downloaded_one_at_a_time_add_up_in_the_record(tmp_path: Path, hub: StandinHub
+                                                            ) -> None:
+    from dsv4_offload import pipeline
+
+    ctx = make_ctx(tmp_path, endpoint=hub.url)
+    with ctx.workspace.lock("download"):
+        first = pipeline.run_stage(ctx, "download", {"endpoint": hub.url, "which": "mxfp4"})
+        assert first.status is Status.WARN  # w8a8 still missing
+        second = pipeline.run_stage(ctx, "download", {"endpoint": hub.url, "which": "w8a8"})
+    assert second.status is Status.OK, second.problems
+    assert set(second.outputs) == {"w8a8", "mxfp4"}
+    record = ctx.workspace.read_state()["stages"]["download"]
+    assert record["status"] == "done" and set(record["outputs"]) == {"w8a8", "mxfp4"}

@@ -31,7 +31,7 @@ from dsv4_offload.errors import InputError
 from dsv4_offload.recipe import BuildStep, Recipe
 from dsv4_offload.runner import CommandFailed, failure_excerpt, run_command
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace import Workspace, read_json
 
 # the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)
 NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
@@ -248,10 +248,12 @@ def run(ctx: StageContext) -> StageResult:
 
 def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[str, Any]:
     """What serve depends on; steps not run this time keep their earlier record."""
-    previous = ctx.workspace.read_state().get("stages", {}).get("build", {})
+    # the state record is already 'running' now; provenance keeps the last done outputs
+    previous = read_json(ctx.workspace.provenance_file, {}).get("build") or {}
+    known = {s.name for s in ctx.recipe.build.steps}
     steps: dict[str, Any] = {}
-    if previous.get("status") == "done":
-        steps.update((previous.get("outputs") or {}).get("steps") or {})
+    if previous.get("python") == python:  # steps built by another interpreter do not count
+        steps.update({k: v for k, v in (previous.get("steps") or {}).items() if k in known})
     for r in reports:
         if r.status in ("ok", "warn"):
             steps[r.name] = {"products": r.products}

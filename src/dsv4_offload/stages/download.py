@@ -129,11 +129,17 @@ def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
 
 def _outputs(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
     """Stable facts only (they feed convert's fingerprint): no times, no byte counts fetched."""
-    previous = ctx.workspace.read_state().get("stages", {}).get("download", {})
+    # a set not asked for this time keeps what the last successful run recorded (the state
+    # record is already 'running' now; provenance keeps the last done outputs) while it
+    # still describes the recipe's repo and revision
+    previous = read_json(ctx.workspace.provenance_file, {}).get("download") or {}
     outputs: dict[str, Any] = {}
-    if previous.get("status") == "done":
-        outputs.update({k: v for k, v in (previous.get("outputs") or {}).items()
-                        if k in WEIGHT_SETS})
+    for name in WEIGHT_SETS:
+        entry, spec = previous.get(name), getattr(ctx.recipe.weights, name)
+        if isinstance(entry, dict) and (entry.get("hub"), entry.get("repo_id"),
+                                        entry.get("revision")) == (spec.hub, spec.repo_id,
+                                                                   spec.revision):
+            outputs[name] = entry
     for r in reports:
         if r.ok and r.listing is not None:
             outputs[r.name] = {
