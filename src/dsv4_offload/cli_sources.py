@@ -36,6 +36,7 @@ def fetch(
 ) -> None:
     """Every source at its pinned commit in the workspace.
 
+    \b
     1. Each commit into the shared cache ($DSV4_CACHE, default ~/.cache/dsv4-offload):
        depth-1 fetch by full SHA; if the host refuses, the recipe's ref, then all branches.
     2. URLs tried in order: --mirror, the recipe's URL, the recipe's mirrors (git's
@@ -64,6 +65,7 @@ def patch_apply(
 ) -> None:
     """Apply the series: one commit per patch on top of the pinned commit.
 
+    \b
     1. Load every patch and check its sha256 before any repository is touched.
     2. Per target, skip the patches already applied (commit trailers), apply the rest:
        mail-format with `git am --3way` (author kept), plain diffs with `git apply
@@ -149,6 +151,7 @@ def patch_check(
 ) -> None:
     """CI: does the series still apply? Never touches the workspace.
 
+    \b
     1. Fetch the targets and the patch origins into the cache; check every sha256.
     2. Per target, a scratch worktree at the pinned commit (or --rev TARGET=REF).
     3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /

@@ -601,6 +601,7 @@ class CheckReport:
 def scratch_worktree(cache_repo: Path, commit: str, parent: Path, log: Path) -> Iterator[Path]:
     """A detached worktree of the cache at ``commit``, removed afterwards."""
     path = parent / cache_repo.stem
+    _git(cache_repo, ["worktree", "prune"], log, check=False)  # a killed check's leftovers
     _git(cache_repo, ["worktree", "add", "-q", "--detach", str(path), commit], log)
     try:
         yield path

@@ -40,8 +40,9 @@ def run(ctx: StageContext) -> StageResult:
             rows.append(row)
             if any(path.is_relative_to(b) for b in blocked_paths):
                 row["checkout"] = "skipped"
-                problems.append(Problem("error", f"{source.name}: not placed, its parent "
-                                        "checkout was left alone", check=source.name))
+                problems.append(Problem("error", f"{source.name}: not placed: the checkout "
+                                        "it lives in is not in place (see above)",
+                                        check=source.name))
                 overall.advance()
                 continue
             try:
