@@ -129,6 +129,7 @@ def test_missing_marker_fails_naming_it_and_the_log(ws: Path, monkeypatch: pytes
     assert result.status is Status.FAILED
     (msg,) = errors(result)
     assert "expected log marker 'Found Ascend CL library' not found" in msg
+    assert "set_env.sh" in result.problems[0].fix  # the usual cause, named
     assert str(ws / "logs" / "build" / "kt-kernel.log") in msg
     assert "sglang" not in result.data["steps"]  # stops at the first failure
 
@@ -153,6 +154,7 @@ def test_failing_command_shows_excerpt_and_log(ws: Path, monkeypatch: pytest.Mon
     assert "exit code 3: error: hwloc.h: No such file or directory" in msg
     assert "see the log: " + str(ws / "logs" / "build" / "kt-kernel.log") in msg
     assert result.log == str(ws / "logs" / "build" / "kt-kernel.log")
+    assert result.problems[0].fix.startswith("apt-get install libhwloc-dev")
 
 
 def test_optional_step_failing_is_a_warning(ws: Path) -> None:
@@ -171,6 +173,20 @@ def test_import_check_failing_fails(ws: Path) -> None:
     (msg,) = errors(result)
     assert "`import sglang` fails" in msg
     assert "No module named 'torch_npu_not_here'" in msg
+    assert "read the log" in result.problems[0].fix  # no known cause: no made-up hint
+
+
+@pytest.mark.parametrize(("line", "fix"), [
+    ("ModuleNotFoundError: No module named 'torch_npu'", "image's python"),
+    ("error: externally-managed-environment", "PEP 668"),
+    ("fatal error: Python.h: No such file or directory", "python3.11-dev"),
+    ("CMake Error: Could NOT find OpenMP_C", "OpenMP"),
+])
+def test_known_pitfalls_get_their_fix(ws: Path, line: str, fix: str) -> None:
+    step = sglang_step(command=["bash", "-c", f"echo \"{line}\"; exit 1"])
+    result = build.run(make_ctx(ws, [step]))
+    assert result.status is Status.FAILED
+    assert fix in result.problems[0].fix
 
 
 def test_missing_workdir_says_fetch_and_patch_first(tmp_path: Path) -> None:

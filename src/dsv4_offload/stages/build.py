@@ -43,6 +43,43 @@ KT_KERNEL_STEP = "kt-kernel"
 KT_KERNEL_PACKAGE = ("kt_kernel", "python")  # `import kt_kernel` = kt-kernel/python
 RUNTIME_STEPS = ("kt-kernel", "sglang")  # their workdirs go on the server's PYTHONPATH
 _QUICK_TIMEOUT_S = 60.0
+# a word of an expected marker that did not show -> the usual reason
+MARKER_HINTS: tuple[tuple[str, str], ...] = (
+    ("Ascend", "CANN was not found by the configure: source "
+               "/usr/local/Ascend/ascend-toolkit/set_env.sh (and nnal/atb/set_env.sh) first"),
+    ("DOTPROD", "dotprod was not enabled: build on the aarch64 host whose CPU has asimddp "
+                "(`dsv4-offload doctor`), not in an emulator or on x86"),
+)
+# log pattern -> the fix; first match wins, so the most specific come first
+KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
+    (r"llamafile not supported",
+     "kt-kernel was built with ARM SVE: keep CPUINFER_ARM_SVE=OFF, CPUINFER_ARM_BF16=OFF and "
+     "CPUINFER_ARM_I8MM=OFF in the kt-kernel step's env and rebuild from a clean build dir"),
+    (r"hwloc\.h: No such file|Could NOT find (HWLOC|hwloc)|cannot find -lhwloc",
+     "apt-get install libhwloc-dev (yum install hwloc-devel)"),
+    (r"numa\.h: No such file|cannot find -lnuma|Could NOT find (NUMA|numa)",
+     "apt-get install libnuma-dev (yum install numactl-devel)"),
+    (r"Python\.h: No such file",
+     "install the build python's headers (apt-get install python3.11-dev)"),
+    (r"Could NOT find OpenMP",
+     "build with gcc (OpenMP comes with it), e.g. CC=gcc CXX=g++ or the platform's gcc-13"),
+    (r"pybind11.*(does not contain a CMakeLists|not found)|Could not find a package "
+     r"configuration file provided by \"pybind11\"",
+     "the pybind11 submodule is missing: run `dsv4-offload fetch` (it takes pybind11 at the "
+     "pinned commit)"),
+    (r"externally-managed-environment",
+     "this python refuses pip installs (PEP 668): build with a venv's or the image's python "
+     "(--python PATH)"),
+    (r"No module named '(torch|torch_npu)(\.[\w.]+)?'",
+     "torch and torch_npu come with the CANN image: build and serve with the image's python "
+     "(--python PATH)"),
+    (r"(libascendcl\.so|ascendcl).*(not found|No such file)|Could NOT find (Ascend|ACL)",
+     "CANN is not in the environment: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
+     "before building"),
+    (r"gcc-13: (not found|No such file)|No CMAKE_C_COMPILER could be found",
+     "install the platform's compiler (A3: apt-get install gcc-13 g++-13) or fix "
+     "platform.cc/cxx"),
+)
 
 
 @dataclass
@@ -54,11 +91,12 @@ class StepReport:
     message: str = ""
     products: list[str] = field(default_factory=list)
     hooks_added: list[str] = field(default_factory=list)
+    hint: str = ""  # the known cause of a failure, when the log shows one
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "seconds": round(self.seconds, 1), "log": self.log,
                 "message": self.message, "products": self.products,
-                "hooks_added": self.hooks_added}
+                "hooks_added": self.hooks_added, "hint": self.hint}
 
 
 # --- facts shared with other stages ---------------------------------------------------------
@@ -266,7 +304,17 @@ def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[
 def _fix_for(step: BuildStep, report: StepReport) -> str:
     if report.status == "skipped":
         return report.message.split("; ", 1)[-1] if "; " in report.message else ""
+    if report.hint:
+        return f"{report.hint}; then `dsv4-offload build {step.name}`"
     return f"read the log ({report.log}), fix the cause, then `dsv4-offload build {step.name}`"
+
+
+def diagnose(text: str) -> str | None:
+    """The fix for the first known pitfall the log shows (the delivery's troubleshooting)."""
+    for pattern, fix in KNOWN_FAILURES:
+        if re.search(pattern, text):
+            return fix
+    return None
 
 
 def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | None
@@ -301,13 +349,16 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
                                  description=f"build {step.name}: {line[:60]}"))
     report.seconds = time.monotonic() - t0
     report.hooks_added = sorted(_hooks(hooks_dir) - hooks_before)
+    text = _read_from(log, offset)
+    report.hint = diagnose(text) or ""
     if result.returncode != 0:
         excerpt = failure_excerpt(result.tail)
         tail = f": {excerpt[-1]}" if excerpt else ""
         return _fail(report, step, f"exit code {result.returncode}{tail} (see the log: {log})")
-    text = _read_from(log, offset)
     for marker in step.expect_markers:
         if not _compile(marker, step, "expect_markers").search(text):
+            report.hint = report.hint or next(
+                (hint for word, hint in MARKER_HINTS if word in marker), "")
             return _fail(report, step, f"expected log marker '{marker}' not found "
                                        f"(see the log: {log})")
     for marker in step.forbid_markers:
@@ -320,6 +371,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         error = check_import(python, step.check_import, runtime_pythonpath(
             ctx.workspace, ctx.recipe), env, log)
         if error:
+            report.hint = diagnose(_read_from(log, offset)) or ""
             return _fail(report, step, f"`import {step.check_import}` fails: {error} "
                                        f"(see the log: {log})")
     report.products = _products(workdir)
