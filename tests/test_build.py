@@ -112,7 +112,8 @@ def test_steps_run_markers_match_products_import(ws: Path) -> None:
     assert steps["kt-kernel"]["status"] == "ok"
     assert steps["sglang"]["status"] == "ok"
     assert steps["ascendc-op"]["status"] == "skipped"
-    assert "bisheng" in steps["ascendc-op"]["message"]
+    assert "'bisheng' is not on PATH; skipped" in steps["ascendc-op"]["message"]
+    assert any("set_env.sh" in p.fix for p in result.problems if p.check == "ascendc-op")
     assert os.readlink(ws / KT / "kt_kernel") == "python"
     ext = "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so"
     assert steps["kt-kernel"]["products"] == [ext]
@@ -192,7 +193,9 @@ def test_known_pitfalls_get_their_fix(ws: Path, line: str, fix: str) -> None:
 def test_missing_workdir_says_fetch_and_patch_first(tmp_path: Path) -> None:
     result = build.run(make_ctx(tmp_path / "empty", [sglang_step()]))
     assert result.status is Status.FAILED
-    assert "run `dsv4-offload fetch` and `dsv4-offload patch apply` first" in errors(result)[0]
+    assert "src/ktransformers/third_party/sglang/python does not exist" in errors(result)[0]
+    assert result.problems[0].fix == ("run `dsv4-offload fetch` and `dsv4-offload patch apply` "
+                                      "first")
 
 
 def test_wrong_python_version_fails_preflight(ws: Path) -> None:

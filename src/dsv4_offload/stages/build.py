@@ -92,6 +92,7 @@ class StepReport:
     products: list[str] = field(default_factory=list)
     hooks_added: list[str] = field(default_factory=list)
     hint: str = ""  # the known cause of a failure, when the log shows one
+    fix: str = ""  # set when the failure is not in a log (missing checkout, missing tool)
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "seconds": round(self.seconds, 1), "log": self.log,
@@ -277,7 +278,9 @@ def run(ctx: StageContext) -> StageResult:
             fix="run `dsv4-offload build` (all steps) before serving", check="steps"))
     durations = ", ".join(f"{r.name} {r.status} {r.seconds:.0f}s" for r in reports)
     if failed:
-        return StageResult(Status.FAILED, f"build step {failed[0].name} failed ({durations})",
+        before = ", ".join(f"{r.name} {r.status}" for r in reports if r is not failed[0])
+        return StageResult(Status.FAILED, f"build step {failed[0].name} failed"
+                           + (f" (before it: {before})" if before else ""),
                            data=data, problems=problems, log=failed[0].log)
     status = Status.WARN if any(p.severity == "warning" for p in problems) else Status.OK
     return StageResult(status, f"built: {durations}", data=data, problems=problems,
@@ -302,8 +305,8 @@ def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[
 
 
 def _fix_for(step: BuildStep, report: StepReport) -> str:
-    if report.status == "skipped":
-        return report.message.split("; ", 1)[-1] if "; " in report.message else ""
+    if report.fix:
+        return report.fix
     if report.hint:
         return f"{report.hint}; then `dsv4-offload build {step.name}`"
     return f"read the log ({report.log}), fix the cause, then `dsv4-offload build {step.name}`"
@@ -325,17 +328,20 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     report.log = str(log)
     if not workdir.is_dir():
         report.status = "failed"
-        report.message = (f"{workdir} does not exist; run `dsv4-offload fetch` and "
-                          "`dsv4-offload patch apply` first")
+        report.log = str(ctx.log_dir)
+        report.message = f"{workdir} does not exist"
+        report.fix = "run `dsv4-offload fetch` and `dsv4-offload patch apply` first"
         return report
     env = step_env(ctx, step)
     argv = [python if a == "{python}" else a.replace("{python}", python) for a in step.command]
     absent = [t for t in _tools_named(argv) if shutil.which(t, path=env.get("PATH")) is None]
     if absent:
         report.status = "skipped" if step.optional else "failed"
-        report.message = (f"'{absent[0]}' is not on PATH; "
-                          + ("install CANN's toolkit and source its set_env.sh to build it"
-                             if absent[0] == "bisheng" else f"install {absent[0]}"))
+        report.log = str(ctx.log_dir)
+        report.message = f"'{absent[0]}' is not on PATH" + (
+            "; skipped (optional step)" if step.optional else "")
+        report.fix = ("install CANN's toolkit and source its set_env.sh to build it"
+                      if absent[0] == "bisheng" else f"install {absent[0]}")
         return report
     if step.name == KT_KERNEL_STEP:
         link_kt_kernel_package(workdir)
