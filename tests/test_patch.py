@@ -273,3 +273,30 @@ def test_sigkill_in_the_middle_of_apply_is_recovered(
         trees = [git(r / rel, "log", "--format=%T", "-n", "4") for r in (ws, ref_ws)]
         assert trees[0] == trees[1]
     assert git(main, "for-each-ref", "refs/dsv4/pre-series") == ""
+
+
+def test_ctrl_c_in_the_middle_of_apply_rolls_back(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    project, ws = _fetched(tmp_path, upstreams, upstreams.good, capsys)
+    main = ws / MAIN
+    pinned = repo_state(main)
+    reached = tmp_path / "reached"
+    shim = write_git_shim(tmp_path / "shim", block_on="commit", nth=2, reached=reached)
+    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    proc = cli_subprocess(project.cli(ws) + ["patch", "apply"], env)
+    try:
+        deadline = time.monotonic() + 60
+        while not reached.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the apply never reached its second commit"
+            time.sleep(0.02)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, err
+    assert b"Traceback" not in err
+    assert repo_state(main) == pinned
+    assert git(main, "for-each-ref", "refs/dsv4/pre-series") == ""
