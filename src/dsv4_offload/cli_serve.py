@@ -186,19 +186,15 @@ def accept(
        under reports/, the verdict in provenance.json.
     """
     from dsv4_offload import pipeline
-    from dsv4_offload.render import checks_table, console
+    from dsv4_offload.render import console
 
     options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes}
     sctx = clikit.load_context(ctx, "accept", options)
     with sctx.workspace.lock("accept"):
         result = pipeline.run_stage(sctx, "accept", options)
+    clikit.emit_result(ctx, "accept", result)  # the checks table, the fixes, the verdict
     g = clikit.options_of(ctx)
-    if not g.json and not g.quiet and result.data.get("checks"):
-        rows = [{"name": c["name"], "observed": c["detail"],
-                 "status": {True: "pass", False: "fail", None: "skipped"}[c["ok"]]}
-                for c in result.data["checks"]]
-        console().print(checks_table(rows))
-        if result.data.get("chart"):
-            console().print(f"report {result.data['report']}, chart {result.data['chart']}")
-    clikit.emit_result(ctx, "accept", result)
+    if not g.json and not g.quiet and result.data.get("report"):
+        chart = f", chart {result.data['chart']}" if result.data.get("chart") else ""
+        console().print(f"report {result.data['report']}{chart}", soft_wrap=True)
     clikit.exit_with(clikit.result_exit_code(result))

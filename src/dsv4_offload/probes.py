@@ -60,10 +60,17 @@ class Check:
     detail: str
     fix: str = ""
     data: dict[str, Any] = field(default_factory=dict)
+    required: str = ""
+
+    @property
+    def status(self) -> str:
+        return {True: "pass", False: "fail", None: "skipped"}[self.ok]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "detail": self.detail, "fix": self.fix,
-                **({"data": self.data} if self.data else {})}
+        """The row the renderer shows (name, status, observed, required) plus the details."""
+        return {"name": self.name, "status": self.status, "ok": self.ok,
+                "observed": self.detail, "required": self.required, "detail": self.detail,
+                "fix": self.fix, **({"data": self.data} if self.data else {})}
 
 
 # --- HTTP -------------------------------------------------------------------------------------
@@ -256,12 +263,14 @@ def check_probe(probe: Probe, reply: Reply, cfg: Degeneration) -> Check:
         return Check(name, False, f"does not mention {' or '.join(probe.expect_any)}: {shown}",
                      "the model answers but wrongly: check the GGUF digests (verify-gguf) and "
                      "that the W8A8 shares the MXFP4 rotation base", {"text": reply.text})
-    return Check(name, True, f"{shown} ({reply.seconds:.1f}s)", data={"text": reply.text})
+    return Check(name, True, f"{shown} ({reply.seconds:.1f}s)", data={"text": reply.text},
+                 required=f"mentions {' or '.join(probe.expect_any)}, not degenerate")
 
 
 def check_determinism(name: str, first: str, second: str) -> Check:
     if first == second:
-        return Check("determinism", True, f"probe {name}: the same text twice")
+        return Check("determinism", True, f"probe {name}: the same text twice",
+                     required="same greedy text twice")
     return Check("determinism", False,
                  f"probe {name}: greedy answers differ: {_short(first)} / {_short(second)}",
                  "greedy decoding must be reproducible: look for a race in the CPU MoE "
@@ -361,8 +370,8 @@ def check_throughput(buckets: Sequence[Bucket], cfg: Throughput) -> Check:
                      "check the NPU graph capture in the log, KT_CPUINFER/threadpool against "
                      "the NUMA layout, and that the GGUF sits in the page cache",
                      {"reference": cfg.reference_tok_s})
-    return Check("decode throughput", True, f"{shown}; reference {low}-{high} tok/s",
-                 data={"reference": cfg.reference_tok_s})
+    return Check("decode throughput", True, shown, data={"reference": cfg.reference_tok_s},
+                 required=f">= {cfg.reference_tok_s:g} tok/s ({low:g}-{high:g})")
 
 
 def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: str) -> Path:

@@ -82,7 +82,8 @@ def run(ctx: StageContext) -> StageResult:
                 code, secs = client.get(path)
                 checks.append(pr.Check(f"GET {path}", code == 200, f"HTTP {code} ({secs:.1f}s)",
                                        "" if code == 200 else "the server is not ready: "
-                                       "`dsv4-offload serve status` / `serve logs`"))
+                                       "`dsv4-offload serve status` / `serve logs`",
+                                       required="HTTP 200"))
             task.advance()
             if all(c.ok for c in checks):
                 for probe in probe_list:
