@@ -63,9 +63,12 @@ def cache_repo_path(name: str) -> Path:
 
 def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for git: never prompt for credentials (a dead mirror must fail fast),
-    messages in English so they can be parsed."""
+    never hang on a stalled transfer, messages in English so they can be parsed."""
     env = dict(os.environ)
     env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANGUAGE": "C"})
+    # a stalled HTTP transfer (under 1 KB/s for a minute) fails, so the next mirror is tried
+    env.setdefault("GIT_HTTP_LOW_SPEED_LIMIT", "1000")
+    env.setdefault("GIT_HTTP_LOW_SPEED_TIME", "60")
     env.pop("GIT_DIR", None)
     env.pop("GIT_WORK_TREE", None)
     if extra:
