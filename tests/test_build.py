@@ -182,6 +182,7 @@ def test_import_check_failing_fails(ws: Path) -> None:
     ("error: externally-managed-environment", "PEP 668"),
     ("fatal error: Python.h: No such file or directory", "python3.11-dev"),
     ("CMake Error: Could NOT find OpenMP_C", "OpenMP"),
+    ("ModuleNotFoundError: No module named 'sentencepiece'", "pip install sentencepiece"),
 ])
 def test_known_pitfalls_get_their_fix(ws: Path, line: str, fix: str) -> None:
     step = sglang_step(command=["bash", "-c", f"echo \"{line}\"; exit 1"])

@@ -70,6 +70,9 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (r"externally-managed-environment",
      "this python refuses pip installs (PEP 668): build with a venv's or the image's python "
      "(--python PATH)"),
+    (r"No module named 'sentencepiece'",
+     "gguf-py of llama.cpp b3173 imports sentencepiece without declaring it: "
+     "<build python> -m pip install sentencepiece"),
     (r"No module named '(torch|torch_npu)(\.[\w.]+)?'",
      "torch and torch_npu come with the CANN image: build and serve with the image's python "
      "(--python PATH)"),
