@@ -339,3 +339,45 @@ def test_steps_built_one_at_a_time_add_up(ws: Path) -> None:
         second = pipeline.run_stage(ctx, "build", {"steps": ["kt-kernel"]})
     assert second.status is Status.OK, second.problems
     assert set(second.outputs["steps"]) == {"kt-kernel", "sglang"}
+
+
+NATIVE_SETUP = """\
+from setuptools import Extension, setup
+print("-- LLAMA_ARM_DOTPROD=ON")
+print("-- Found Ascend CL library")
+setup(name="kt_kernel", packages=["kt_kernel"], package_dir={"kt_kernel": "python"},
+      ext_modules=[Extension("kt_kernel.kt_kernel_ext", ["ext.c"])])
+"""
+NATIVE_EXT = """\
+#include <Python.h>
+#include <hwloc.h>
+#include <numa.h>
+static PyObject *cores(PyObject *self, PyObject *args) { return PyLong_FromLong(TEST_CORES); }
+static PyMethodDef methods[] = {{"cores", cores, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
+static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kt_kernel_ext", "", -1, methods};
+PyMODINIT_FUNC PyInit_kt_kernel_ext(void) { return PyModule_Create(&mod); }
+"""
+
+
+def test_native_extension_builds_in_place_and_imports_through_the_link(
+        ws: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a real `setup.py build_ext --inplace` of a C extension shaped like kt-kernel's; the
+    # hwloc/numa headers come from CPATH here (the real ones on the target host)
+    inc = tmp_path / "inc"
+    inc.mkdir()
+    (inc / "hwloc.h").write_text("#define TEST_CORES 192\n")
+    (inc / "numa.h").write_text("/* numa */\n")
+    monkeypatch.setenv("CPATH", str(inc))
+    kt = ws / KT
+    (kt / "setup.py").write_text(NATIVE_SETUP)
+    (kt / "ext.c").write_text(NATIVE_EXT)
+    (kt / "python" / "__init__.py").write_text("from .kt_kernel_ext import cores\n")
+    step = kt_step(command=["{python}", "setup.py", "build_ext", "--inplace"])
+    result = build.run(make_ctx(ws, [step]))
+    assert result.status is Status.OK, result.problems
+    (product,) = result.data["steps"]["kt-kernel"]["products"]
+    assert product.startswith("python/kt_kernel_ext.cpython-311")
+    probe = subprocess.run([sys.executable, "-c", "import kt_kernel; print(kt_kernel.cores())"],
+                           env={**os.environ, "PYTHONPATH": str(kt)}, capture_output=True,
+                           text=True, check=True)
+    assert probe.stdout.strip() == "192"
