@@ -261,3 +261,13 @@ def test_sets_downloaded_one_at_a_time_add_up_in_the_record(tmp_path: Path, hub:
     assert set(second.outputs) == {"w8a8", "mxfp4"}
     record = ctx.workspace.read_state()["stages"]["download"]
     assert record["status"] == "done" and set(record["outputs"]) == {"w8a8", "mxfp4"}
+
+
+def test_hf_hub_offline_variable_means_local_dir_only(tmp_path: Path, hub: StandinHub,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")).ok
+    hub.requests.clear()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
+    assert result.ok
+    assert hub.requests == []

@@ -96,6 +96,16 @@ def resolve_endpoint(hub: str, override: str | None = None) -> str:
     return value.rstrip("/")
 
 
+# the clients' own "no network" switches (modelscope has none), honoured as --local-dir-only
+OFFLINE_ENV = {"huggingface": "HF_HUB_OFFLINE"}
+
+
+def offline_by_env(hub: str) -> bool:
+    name = OFFLINE_ENV.get(hub)
+    return bool(name) and os.environ.get(name or "", "").strip().lower() in ("1", "true", "yes",
+                                                                           "on")
+
+
 def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     return HubError(

@@ -159,7 +159,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     spec = getattr(ctx.recipe.weights, name)
     local_dir = ctx.workspace.weights_dir(ctx.recipe, name)
     record_path = ctx.workspace.weights_record(name)
-    offline = bool(ctx.option("local_dir_only"))
+    offline = bool(ctx.option("local_dir_only")) or hubs.offline_by_env(spec.hub)
     repair = bool(ctx.option("repair"))
     report = SetReport(name)
     record = _read_record(record_path, spec)
