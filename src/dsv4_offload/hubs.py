@@ -102,8 +102,9 @@ OFFLINE_ENV = {"huggingface": "HF_HUB_OFFLINE"}
 
 def offline_by_env(hub: str) -> bool:
     name = OFFLINE_ENV.get(hub)
-    return bool(name) and os.environ.get(name or "", "").strip().lower() in ("1", "true", "yes",
-                                                                           "on")
+    if name is None:
+        return False
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
