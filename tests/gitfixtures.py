@@ -222,6 +222,12 @@ def build_upstreams(root: Path) -> Upstreams:
             _replace("pkg/other.py", "other line 6\n", "other line 6 x\n"),
             base_edit=lambda r: _write(r, {"pkg/other.py": lines("nope", 12).replace(
                 "nope line 6", "other line 6")})), expect="fails"),
+        PatchSpec("sub-mbox-fails", "sub", make_patch(
+            root / "sub", sub_pin, work,
+            _replace("pkg/other.py", "other line 9\n", "other line 9 mailed\n"),
+            base_edit=lambda r: _write(r, {"pkg/other.py": lines("nah", 12).replace(
+                "nah line 9", "other line 9")}), mbox=True, subject="sub: a stale mail"),
+            method="mbox", expect="fails"),
     ]
     patches = {s.name: s for s in specs}
     delivery_files = {f"{DELIVERY_DIR}/{s.file_name}": s.data.decode() for s in specs

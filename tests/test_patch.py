@@ -300,3 +300,19 @@ def test_ctrl_c_in_the_middle_of_apply_rolls_back(
     assert b"Traceback" not in err
     assert repo_state(main) == pinned
     assert git(main, "for-each-ref", "refs/dsv4/pre-series") == ""
+
+
+def test_a_failing_mail_patch_is_aborted_and_rolled_back(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    project, ws = _fetched(tmp_path, upstreams, ["sub-mbox", "sub-own", "sub-mbox-fails"],
+                           capsys)
+    sub = ws / SUB
+    pinned = repo_state(sub)
+    for _ in range(2):  # a second attempt is not blocked by a leftover `git am` session
+        code, doc = run_cli(project.cli(ws) + ["patch", "apply"], capsys)
+        assert code == 1
+        assert repo_state(sub) == pinned
+        assert not (sub / ".git" / "rebase-apply").exists()
+        target = doc["data"]["data"]["targets"][0]
+        assert target["failed_patch"] == "sub-mbox-fails"
+        assert target["rejected"] == ["pkg/other.py:6"]

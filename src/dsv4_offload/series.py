@@ -377,10 +377,14 @@ def apply_target(repo_dir: Path, source: Source, patches: list[LoadedPatch], log
                 try:
                     apply_one(repo_dir, current, patch_file, log, env)
                 except CommandFailed:
-                    rollback(repo_dir, before, log)
-                    outcome.status, outcome.failed_patch = "failed", current.entry.name
+                    # name the rejected hunks against the tree this patch met (after the
+                    # earlier ones), then roll back
+                    if am_in_progress(repo_dir):
+                        _git(repo_dir, ["am", "--abort"], log, check=False)
                     outcome.rejected = rejected_hunks(repo_dir, patch_file, current.entry.strip,
                                                       log)
+                    rollback(repo_dir, before, log)
+                    outcome.status, outcome.failed_patch = "failed", current.entry.name
                     outcome.message = (f"patch '{current.entry.name}' does not apply to "
                                        f"{source.name}; rolled back to {before[:12]}")
                     outcome.applied = []
