@@ -153,9 +153,13 @@ def test_local_dir_only_checks_without_network(tmp_path: Path, hub: StandinHub) 
     offline = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
     assert offline.ok
     (weights(ctx, "mxfp4") / "tokenizer.json").unlink()
+    shard = weights(ctx, "mxfp4") / SHARD
+    shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
     missing = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
     assert missing.status is Status.FAILED
-    assert "tokenizer.json" in missing.problems[0].message
+    assert "tokenizer.json (missing)" in missing.problems[0].message
+    assert f"{SHARD} (sha256 " in missing.problems[0].message
+    assert shard.exists()  # offline, a bad copy is reported, never deleted
 
 
 def test_partial_file_resumes_with_a_range_request(tmp_path: Path, hub: StandinHub) -> None:

@@ -202,26 +202,29 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         if _still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
             continue
         if st.st_size != f.size:
-            log.write(f"{name}: {f.path}: size {st.st_size} B, listed {f.size} B; re-fetching")
+            log.write(f"{name}: {f.path}: size {st.st_size} B, listed {f.size} B")
             report.refetched[f.path] = f"size {st.st_size} B, the hub lists {f.size} B"
-            hubs.forget_local_copy(listing.hub, local_dir, f.path)
             to_fetch.append(f)
         else:
             to_check.append(f)
-    bad_before = _verify(ctx, name, local_dir, to_check, verified, report, log)
-    for f in bad_before:
-        report.refetched[f.path] = bad_before[f]
-        hubs.forget_local_copy(listing.hub, local_dir, f.path)
+    for f, why in _verify(ctx, name, local_dir, to_check, verified, report, log).items():
+        report.refetched[f.path] = why
         to_fetch.append(f)
+    if not offline:  # offline, a bad copy is all there is: report it, keep it
+        for path in report.refetched:
+            hubs.forget_local_copy(listing.hub, local_dir, path)
     report.extra = _extra_files(local_dir, listing)
 
     # 2. fetch what is missing or was bad
     if to_fetch and offline:
         report.missing = sorted(f.path for f in to_fetch)
+        described = [f"{p} ({report.refetched.get(p, 'missing')})" for p in report.missing]
         report.problems.append(Problem(
-            "error", f"{name}: {len(to_fetch)} file(s) missing or corrupt in {local_dir}: "
-            f"{_sample(report.missing)}",
-            fix=f"rerun `dsv4-offload download {name}` without --local-dir-only", check=name))
+            "error", f"{name}: {len(to_fetch)} file(s) not as listed in {local_dir}: "
+            f"{_sample(described)}",
+            fix=f"rerun `dsv4-offload download {name}` with network access (without "
+            "--local-dir-only)", check=name))
+        report.refetched = {}
     elif to_fetch:
         need = sum(f.size for f in to_fetch)
         short = _disk_shortfall(local_dir, need)
