@@ -316,3 +316,22 @@ def test_a_failing_mail_patch_is_aborted_and_rolled_back(
         target = doc["data"]["data"]["targets"][0]
         assert target["failed_patch"] == "sub-mbox-fails"
         assert target["rejected"] == ["pkg/other.py:6"]
+
+
+def test_a_new_patch_digest_makes_the_patch_stage_stale(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    project, ws = _fetched(tmp_path, upstreams, upstreams.good, capsys)
+    assert run_cli(project.cli(ws) + ["patch", "apply"], capsys)[0] == 0
+    _, doc = run_cli(project.cli(ws) + ["status"], capsys)
+    states = {s["name"]: s["state"] for s in doc["data"]["stages"]}
+    assert states["fetch"] == "done" and states["patch"] == "done"
+    own = project.dir / "patches" / "sub-own.patch"
+    new_data = own.read_bytes().replace(b"+ours = True\n", b"+ours = False\n")
+    own.write_bytes(new_data)
+    import hashlib
+
+    project.series.write_text(project.series.read_text().replace(
+        upstreams.patches["sub-own"].sha256, hashlib.sha256(new_data).hexdigest()))
+    _, doc = run_cli(project.cli(ws) + ["status"], capsys)
+    patch = next(s for s in doc["data"]["stages"] if s["name"] == "patch")
+    assert patch["state"] == "stale" and "sub-own" in patch["reason"]

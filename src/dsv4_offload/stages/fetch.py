@@ -17,10 +17,6 @@ from dsv4_offload.errors import Dsv4Error
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 
 
-def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
-    return {"git": gitsrc.git_version()}
-
-
 def run(ctx: StageContext) -> StageResult:
     gitsrc.require_git()
     recipe, ws = ctx.recipe, ctx.workspace

@@ -14,10 +14,12 @@ from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
-    """The patch digests: a changed patch makes the stage stale."""
-    out = {f"patch:{p.name}": p.sha256[:16] for p in ctx.series.patches}
-    out["git"] = gitsrc.git_version()
-    return out
+    """The series, patch by patch: a changed digest, order or target makes the stage stale.
+
+    Not the git version: the commits are deterministic, and a git upgrade must not make
+    the (expensive) build downstream stale."""
+    return {f"patch:{i:02d}:{p.name}": f"{p.target}:{p.method}:{p.strip}:{p.sha256[:16]}"
+            for i, p in enumerate(ctx.series.patches)}
 
 
 def run(ctx: StageContext) -> StageResult:
