@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shlex
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import requests
 from conftest import run_cli
 from serve_helpers import free_port, leftover_guard, leftovers, make_workspace, standin_overrides
 
@@ -103,3 +109,64 @@ def test_accept_against_a_dead_url_fails_with_a_fix(tmp_path):
     doc = res.json()
     assert doc["status"] == "failed"
     assert "is the server up?" in doc["data"]["problems"][0]["message"]
+
+
+def _standin_cli(ws_root: Path, tag: str, port: int) -> tuple[list[str], dict[str, str]]:
+    sets = [a for o in standin_overrides(tag, port, "--mode", "good") for a in ("--set", o)]
+    env = {**os.environ, **host_env("x86-no-npu")}
+    env.pop("DSV4_WORKSPACE", None)
+    return [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws_root), *sets], env
+
+
+def _wait_http(url: str, timeout: float = 20) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if requests.get(url, timeout=1).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
+
+
+def test_ctrl_c_on_a_foreground_serve_stops_the_server(tmp_path, no_leftovers):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    cmd, env = _standin_cli(ws.root, no_leftovers, port)
+    proc = subprocess.Popen([*cmd, "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        server = [p for p in leftovers(no_leftovers)
+                  if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        assert server and server[0].ppid() == proc.pid  # the CLI holds it: nothing detached
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    assert not leftovers(no_leftovers)
+
+
+def test_logs_follow_ends_when_the_server_stops(tmp_path, no_leftovers):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    cmd, env = _standin_cli(ws.root, no_leftovers, port)
+    assert subprocess.run([*cmd, "serve", "--detach"], env=env, capture_output=True,
+                          timeout=60).returncode == 0
+    follow = subprocess.Popen([*cmd, "serve", "logs", "-f"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        requests.get(f"http://127.0.0.1:{port}/health", timeout=5)
+        time.sleep(0.5)
+        assert subprocess.run([*cmd, "serve", "stop"], env=env, capture_output=True,
+                              timeout=60).returncode == 0
+        out, _ = follow.communicate(timeout=20)
+    finally:
+        if follow.poll() is None:
+            follow.kill()
+    assert "KV Cache is allocated" in out
+    assert "GET /health" in out  # a line written after `logs -f` started
+    assert follow.returncode == 0
