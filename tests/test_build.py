@@ -381,3 +381,35 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
                            env={**os.environ, "PYTHONPATH": str(kt)}, capture_output=True,
                            text=True, check=True)
     assert probe.stdout.strip() == "192"
+
+
+CACHE_PROBE = """\
+import os
+print("-- LLAMA_ARM_DOTPROD=ON")
+print("-- Found Ascend CL library")
+print("cache: " + ("reused" if os.path.exists("build/CMakeCache.txt") else "fresh"))
+os.makedirs("build", exist_ok=True)
+open("build/CMakeCache.txt", "w").write(os.environ["CPUINFER_ARM_SVE"])
+"""
+
+
+def test_changed_build_settings_get_a_fresh_build_dir(ws: Path) -> None:
+    from dsv4_offload import pipeline
+
+    (ws / KT / "fake_setup.py").write_text(CACHE_PROBE)
+    log = ws / "logs" / "build" / "kt-kernel.log"
+
+    def build_with(sve: str, **options: Any) -> Any:
+        ctx = make_ctx(ws, [kt_step(env={"CPUINFER_ARM_SVE": sve})])
+        with ctx.workspace.lock("build"):
+            result = pipeline.run_stage(ctx, "build", options)
+        assert result.ok, result.problems
+        return result, log.read_text().rsplit("cache: ", 1)[1].split()[0]
+
+    assert build_with("ON")[1] == "fresh"
+    assert build_with("ON")[1] == "reused"  # same settings: the cache is kept
+    result, cache = build_with("OFF")  # SVE flipped: CMake must configure again
+    assert cache == "fresh"
+    assert result.data["steps"]["kt-kernel"]["cleaned"].startswith("its command, env")
+    assert build_with("OFF")[1] == "reused"
+    assert build_with("OFF", clean=True)[1] == "fresh"

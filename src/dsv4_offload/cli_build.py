@@ -29,6 +29,9 @@ def build(
         None, "--python", metavar="PATH",
         help="The interpreter to build with and for (default: the recipe's build.python); "
         "it must be the recipe's host.python version."),
+    clean: bool = typer.Option(
+        False, "--clean", help="Remove each step's build/ dir first (a fresh CMake configure); "
+        "done anyway when a step's command, env or python changed since its last build."),
 ) -> None:
     """Build kt-kernel, gguf-py, sglang and the AscendC op from the patched sources.
 
@@ -42,7 +45,8 @@ def build(
     4. An optional step (ascendc-op) that fails, or whose compiler (bisheng) is missing,
        is a warning. Git hooks the kt-kernel configure installed are reported.
     """
-    clikit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python})
+    clikit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python,
+                                    "clean": clean})
 
 
 def _endpoints(values: list[str]) -> str | dict[str, str] | None:

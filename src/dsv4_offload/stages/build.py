@@ -96,11 +96,13 @@ class StepReport:
     hooks_added: list[str] = field(default_factory=list)
     hint: str = ""  # the known cause of a failure, when the log shows one
     fix: str = ""  # set when the failure is not in a log (missing checkout, missing tool)
+    settings: str = ""  # digest of what configures the build (command, env, python)
+    cleaned: str = ""  # why the build dir was removed first, if it was
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "seconds": round(self.seconds, 1), "log": self.log,
                 "message": self.message, "products": self.products,
-                "hooks_added": self.hooks_added, "hint": self.hint}
+                "hooks_added": self.hooks_added, "hint": self.hint, "cleaned": self.cleaned}
 
 
 # --- facts shared with other stages ---------------------------------------------------------
@@ -251,11 +253,16 @@ def run(ctx: StageContext) -> StageResult:
         return StageResult(Status.FAILED, "build preflight failed", data=data, problems=problems,
                            log=str(ctx.log_dir))
     hooks_dir = _hooks_dir(ctx.workspace.tree_dir(ctx.recipe))
+    previous = _previous_outputs(ctx)
     reports: list[StepReport] = []
     for step in steps:
-        report = run_step(ctx, step, python, hooks_dir)
+        built_with = ((previous.get("steps") or {}).get(step.name) or {}).get("settings")
+        report = run_step(ctx, step, python, hooks_dir, built_with=built_with)
         reports.append(report)
         data["steps"][step.name] = report.as_dict()
+        if report.cleaned:
+            problems.append(Problem("info", f"{step.name}: removed its build dir first "
+                                            f"({report.cleaned})", check=step.name))
         if report.status == "failed":
             problems.append(Problem("error", f"{step.name}: {report.message}",
                                     fix=_fix_for(step, report), check=step.name))
@@ -290,17 +297,22 @@ def run(ctx: StageContext) -> StageResult:
                        outputs=outputs, log=str(ctx.log_dir))
 
 
+def _previous_outputs(ctx: StageContext) -> dict[str, Any]:
+    """The outputs of the last successful build (the state record is 'running' by now)."""
+    value = read_json(ctx.workspace.provenance_file, {}).get("build")
+    return value if isinstance(value, dict) else {}
+
+
 def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[str, Any]:
     """What serve depends on; steps not run this time keep their earlier record."""
-    # the state record is already 'running' now; provenance keeps the last done outputs
-    previous = read_json(ctx.workspace.provenance_file, {}).get("build") or {}
+    previous = _previous_outputs(ctx)
     known = {s.name for s in ctx.recipe.build.steps}
     steps: dict[str, Any] = {}
     if previous.get("python") == python:  # steps built by another interpreter do not count
         steps.update({k: v for k, v in (previous.get("steps") or {}).items() if k in known})
     for r in reports:
         if r.status in ("ok", "warn"):
-            steps[r.name] = {"products": r.products}
+            steps[r.name] = {"products": r.products, "settings": r.settings}
         else:
             steps.pop(r.name, None)
     return {"python": python, "python_version": python_version(python), "steps": steps,
@@ -323,8 +335,32 @@ def diagnose(text: str) -> str | None:
     return None
 
 
-def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | None
-             ) -> StepReport:
+def settings_digest(step: BuildStep, argv: list[str], env: dict[str, str], python: str) -> str:
+    """What configures a step's build: its command, its own env, CC/CXX and the python."""
+    import hashlib
+    import json
+
+    own = {k: env.get(k, "") for k in sorted({*step.env, "CC", "CXX"})}
+    blob = json.dumps({"argv": argv, "env": own, "python": python}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def clean_build_dir(workdir: Path) -> bool:
+    """Remove ``workdir/build`` (CMake's cache keeps old options) unless git tracks it."""
+    build_dir = workdir / "build"
+    if not build_dir.is_dir():
+        return False
+    tracked = subprocess.run(["git", "-C", str(workdir), "ls-files", "--", "build"],
+                             capture_output=True, text=True, timeout=_QUICK_TIMEOUT_S)
+    if tracked.returncode == 0 and tracked.stdout.strip():
+        return False  # part of the sources: not ours to delete
+    shutil.rmtree(build_dir)
+    return True
+
+
+def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | None, *,
+             built_with: str | None = None) -> StepReport:
+    """Run one step; ``built_with`` is the settings digest of its last successful build."""
     report = StepReport(step.name)
     workdir = ctx.workspace.root / step.workdir
     log = ctx.log_dir / f"{step.name}.log"
@@ -346,6 +382,13 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         report.fix = ("install CANN's toolkit and source its set_env.sh to build it"
                       if absent[0] == "bisheng" else f"install {absent[0]}")
         return report
+    report.settings = settings_digest(step, argv, env, python)
+    # CMake caches options such as CPUINFER_ARM_SVE: a changed setting needs a fresh configure
+    why = "--clean" if ctx.option("clean") else (
+        "its command, env or python changed since the last build"
+        if built_with and built_with != report.settings else "")
+    if why and clean_build_dir(workdir):
+        report.cleaned = why
     if step.name == KT_KERNEL_STEP:
         link_kt_kernel_package(workdir)
     hooks_before = _hooks(hooks_dir)
