@@ -118,7 +118,10 @@ class ServerClient:
         resp = self._request("POST", path, body, stream=True)
         if resp.status_code != 200:
             return Reply(f"HTTP {resp.status_code}", resp.status_code, time.monotonic() - t0)
-        text, tokens, first, last, counted = "", 0, None, None, None
+        text, tokens = "", 0
+        first: float | None = None
+        last = 0.0
+        counted: int | None = None
         try:
             for event in _sse_events(resp):
                 piece, total = self._stream_piece(event, chat, text)
@@ -173,8 +176,8 @@ class ServerClient:
         usage = event.get("usage") or {}
         choices = event.get("choices") or [{}]
         choice = choices[0] if choices else {}
-        piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
-        return str(piece or ""), usage.get("completion_tokens")
+        content = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        return str(content or ""), usage.get("completion_tokens")
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
                  stream: bool = False) -> requests.Response:
@@ -381,9 +384,9 @@ def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: 
     matplotlib.use("Agg")  # no display on a server
     import matplotlib.pyplot as plt
 
-    points = [b for b in buckets if b.tok_s]
+    points = [b for b in buckets if b.tok_s is not None]
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot([b.prompt_tokens for b in points], [b.tok_s for b in points], marker="o",
+    ax.plot([b.prompt_tokens for b in points], [b.tok_s or 0.0 for b in points], marker="o",
             label="decode tok/s (median)")
     ax.axhline(reference, color="grey", linestyle="--", label=f"reference {reference:g} tok/s")
     ax.set_xscale("log", base=2)
@@ -393,7 +396,7 @@ def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: 
     ttft = [b for b in points if b.ttft_s is not None]
     if ttft:
         ax2 = ax.twinx()
-        ax2.plot([b.prompt_tokens for b in ttft], [b.ttft_s for b in ttft], marker="s",
+        ax2.plot([b.prompt_tokens for b in ttft], [b.ttft_s or 0.0 for b in ttft], marker="s",
                  color="tab:orange", label="TTFT (s)")
         ax2.set_ylabel("time to first token (s)")
         ax2.set_ylim(bottom=0)
