@@ -86,8 +86,12 @@ def patch_status(ctx: typer.Context) -> None:
     data = {"patches": [r.__dict__ for r in rows]}
     table = _table(("patch", "target", "state", "commit", "detail"),
                    [(r.name, r.target, r.state, (r.commit or "")[:12], r.detail) for r in rows])
+    counts: dict[str, int] = {}
+    for r in rows:
+        counts[r.state] = counts.get(r.state, 0) + 1
+    line = "patch status: " + ", ".join(f"{n} {state}" for state, n in counts.items())
     clikit.emit(ctx, command="patch status", status="ok" if all_applied else "warn", data=data,
-                table=table)
+                table=_shown(ctx, table), lines=[line])
     clikit.exit_with(ExitCode.OK if all_applied else ExitCode.FAILED)
 
 
@@ -110,8 +114,12 @@ def patch_reset(
     table = _table(("target", "result", "kept", "detail"),
                    [(r["target"], r["result"], " ".join(r["kept"]), r.get("message", ""))
                     for r in rows], status_col=1)
+    reset = [r["target"] for r in rows if r["result"] == "reset"]
+    line = (f"patch reset: {len(reset)} target(s) back at the pinned commit"
+            + (f", {len(blocked)} left alone (local changes; --force keeps them under a ref)"
+               if blocked else ""))
     clikit.emit(ctx, command="patch reset", status="failed" if blocked else "ok",
-                data={"targets": rows, "log": str(log)}, table=table)
+                data={"targets": rows, "log": str(log)}, table=_shown(ctx, table), lines=[line])
     clikit.exit_with(ExitCode.FAILED if blocked else ExitCode.OK)
 
 
@@ -134,7 +142,10 @@ def patch_refresh(
                                          _split(only) or None)
     table = _table(("patch", "target", "result", "detail"),
                    [(r["name"], r["target"], r["result"], r.get("detail", "")) for r in rows])
-    clikit.emit(ctx, command="patch refresh", status="ok", data={"patches": rows}, table=table)
+    refreshed = sum(1 for r in rows if r["result"] == "refreshed")
+    clikit.emit(ctx, command="patch refresh", status="ok", data={"patches": rows},
+                table=_shown(ctx, table),
+                lines=[f"patch refresh: {refreshed} patch file(s) regenerated"])
 
 
 @patch_app.command("check")
@@ -187,10 +198,15 @@ def patch_check(
                    [(r.name, r.target, r.base[:12], r.status, r.detail) for r in report.rows],
                    status_col=3)
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    clikit.emit(ctx, command="patch check", status="ok" if report.ok else "failed", data=data,
-                table=table, lines=[f"patch check: {'ok' if report.ok else 'failed'} — {counts}"
-                                    f"; log: {log}"])
+    verdict = "ok" if report.ok else "failed"
+    clikit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
+                lines=[f"patch check: {verdict} — {counts}; log: {log}"])
     clikit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+
+
+def _shown(ctx: typer.Context, table: Any) -> Any:
+    """--quiet prints only the result line."""
+    return None if clikit.options_of(ctx).quiet else table
 
 
 def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]], status_col: int = 2) -> Any:
