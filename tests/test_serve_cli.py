@@ -147,6 +147,7 @@ def test_ctrl_c_on_a_foreground_serve_stops_the_server(tmp_path, no_leftovers):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
+    assert "KV Cache is allocated" in err  # the server's log, streamed to the console
     assert not leftovers(no_leftovers)
 
 

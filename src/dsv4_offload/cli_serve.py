@@ -53,7 +53,31 @@ def serve(
     if print_only:
         _print_plan(ctx, options)
         return
-    clikit.run_stage(ctx, "serve", options)
+    if detach:
+        clikit.run_stage(ctx, "serve", options)
+    _serve_foreground(ctx, options)
+
+
+def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
+    """Like clikit.run_stage, but the server's log reaches the console even on a pipe."""
+    import sys
+
+    from dsv4_offload import pipeline
+    from dsv4_offload.stage import Progress
+
+    class _EchoProgress(Progress):
+        def message(self, text: str) -> None:
+            sys.stderr.write(text + "\n")
+            sys.stderr.flush()
+
+    sctx = clikit.load_context(ctx, "serve", options)
+    g = clikit.options_of(ctx)
+    if type(sctx.progress) is Progress and not (g.json or g.quiet):
+        sctx.progress = _EchoProgress()  # no terminal: plain lines instead of rich output
+    with sctx.workspace.lock("serve"):
+        result = pipeline.run_stage(sctx, "serve", options)
+    clikit.emit_result(ctx, "serve", result)
+    clikit.exit_with(clikit.result_exit_code(result))
 
 
 def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:

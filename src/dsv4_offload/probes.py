@@ -291,13 +291,14 @@ def check_log_markers(log_text: str | None, required: Sequence[str], forbidden: 
         checks.append(Check(f"log has {pattern!r}", hit is not None,
                             _short(_line_at(log_text, hit.start())) if hit else
                             f"missing from {source}",
-                            "" if hit else _MARKER_FIX.get(pattern, "read the server log")))
+                            "" if hit else _MARKER_FIX.get(pattern, "read the server log"),
+                            required="present"))
     for pattern in forbidden:
         hit = re.search(pattern, log_text)
         checks.append(Check(f"log without {pattern!r}", hit is None,
                             _short(_line_at(log_text, hit.start())) if hit else "absent",
                             "keep serve.mem_fraction_static 0.81 and the chunked prefill at or "
-                            "above the longest prompt" if hit else ""))
+                            "above the longest prompt" if hit else "", required="absent"))
     return checks
 
 
