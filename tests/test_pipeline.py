@@ -140,6 +140,7 @@ def test_ctrl_c_records_the_stage_as_failed(cli, ws: Path, fake_stages_env) -> N
     behave(ws, "fetch", "interrupt")
     res = cli("-w", str(ws), "run", env=fake_stages_env)
     assert res.code == 130, res
+    assert res.err.strip().endswith("interrupted"), res
     st = states(cli, ws, fake_stages_env)
     assert st["fetch"]["state"] == "failed" and "Ctrl-C" in st["fetch"]["reason"]
 

@@ -278,4 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(int(ExitCode.INVALID_INPUT))
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    if rv == ExitCode.INTERRUPTED:
+        # typer turns Ctrl-C into a plain exit code 130; still say what happened
+        sys.stderr.write("interrupted\n")
     sys.exit(rv if isinstance(rv, int) else 0)
