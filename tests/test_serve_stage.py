@@ -140,6 +140,12 @@ def test_kv_cache_failure_retries_with_fewer_experts_and_records_what_worked(tmp
     record = sv.read_record(ctx.workspace.serve_record)
     assert record is not None and record.kt_num_gpu_experts == 24
     sv.stop_recorded(ctx.workspace.serve_record, 3)
+    # the next start goes straight to what worked, and says so
+    again = serve.run(ctx)
+    assert again.status is Status.OK
+    assert [a["kt_num_gpu_experts"] for a in again.outputs["attempts"]] == [24]
+    assert any("32 failed KV-cache setup" in p.message for p in again.problems)
+    sv.stop_recorded(ctx.workspace.serve_record, 3)
 
 
 def test_server_exiting_before_ready_shows_its_last_lines(tmp_path, no_leftovers):

@@ -109,6 +109,20 @@ class Workspace:
         """The supervised server's record: pids, URL, log (written by the supervisor)."""
         return self.run_dir / "serve.json"
 
+    @property
+    def serve_spec(self) -> Path:
+        """What the detached supervisor is told to run (argv, env, log)."""
+        return self.run_dir / "serve-spec.json"
+
+    @property
+    def serve_supervisor_log(self) -> Path:
+        return self.run_dir / "supervisor.log"
+
+    @property
+    def serve_ladder(self) -> Path:
+        """How many resident experts last came up, after a KV-cache failure."""
+        return self.run_dir / "serve-ladder.json"
+
     def log_dir(self, stage: str) -> Path:
         return self.root / "logs" / (stage or "misc")
 

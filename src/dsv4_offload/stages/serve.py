@@ -23,7 +23,7 @@ from dsv4_offload.serveplan import (
     inherited_env,
 )
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.workspace import now_iso
+from dsv4_offload.workspace import atomic_write_json, now_iso, read_json
 
 
 def host_facts(ctx: StageContext) -> Any:
@@ -90,7 +90,8 @@ def run(ctx: StageContext) -> StageResult:
         return _already_running(ctx, existing, facts)
 
     attempts: list[dict[str, Any]] = []
-    rungs = ladder(ctx.recipe.serve.kt_num_gpu_experts, ctx.recipe.serve.gpu_experts_ladder)
+    start, remembered = _first_rung(ctx)
+    rungs = ladder(start, ctx.recipe.serve.gpu_experts_ladder)
     for i, experts in enumerate(rungs):
         plan = make_plan(ctx, experts, facts)
         log = ctx.log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{experts}.log"
@@ -99,7 +100,8 @@ def run(ctx: StageContext) -> StageResult:
                          "seconds": round(outcome.seconds, 1), "log": str(log),
                          **({"fatal": outcome.fatal.key} if outcome.fatal else {})})
         if outcome.ready:
-            return _ready(ctx, plan, log, experts, attempts, detach, server)
+            _remember_rung(ctx, experts, attempts)
+            return _ready(ctx, plan, log, experts, attempts, detach, server, remembered)
         _stop_attempt(ctx, server)
         retry = outcome.fatal is not None and outcome.fatal.retry_fewer_experts
         if retry and i + 1 < len(rungs):
@@ -108,6 +110,36 @@ def run(ctx: StageContext) -> StageResult:
             continue
         return _failed(ctx, plan, log, outcome, attempts)
     raise AssertionError("unreachable: the ladder has at least one rung")
+
+
+def _ladder_key(ctx: StageContext) -> str:
+    # what worked holds for this recipe value on this card
+    return f"{ctx.recipe.serve.kt_num_gpu_experts}@{ctx.option('device', 'auto')}"
+
+
+def _first_rung(ctx: StageContext) -> tuple[int, str | None]:
+    """Start where the last KV-cache retry came up, instead of reloading minutes for nothing."""
+    start = ctx.recipe.serve.kt_num_gpu_experts
+    memo = read_json(ctx.workspace.serve_ladder, {})
+    entry = memo.get(_ladder_key(ctx)) if isinstance(memo, dict) else None
+    if isinstance(entry, dict) and isinstance(entry.get("worked"), int) \
+            and 0 <= entry["worked"] < start:
+        return entry["worked"], (f"started at {entry['worked']} resident experts: {start} "
+                                 f"failed KV-cache setup on {entry.get('when', '?')}; delete "
+                                 f"{ctx.workspace.serve_ladder} to try {start} again")
+    return start, None
+
+
+def _remember_rung(ctx: StageContext, experts: int, attempts: list[dict[str, Any]]) -> None:
+    memo = read_json(ctx.workspace.serve_ladder, {})
+    memo = memo if isinstance(memo, dict) else {}
+    key = _ladder_key(ctx)
+    if len(attempts) > 1:
+        memo[key] = {"worked": experts, "failed": [a["kt_num_gpu_experts"] for a in attempts[:-1]],
+                     "when": now_iso()}
+    elif key not in memo:
+        return
+    atomic_write_json(ctx.workspace.serve_ladder, memo)
 
 
 def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int, detach: bool
@@ -120,7 +152,7 @@ def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         spec = {"argv": plan.argv, "env": plan.env, "log": str(log), "record": str(ws.serve_record),
                 "url": plan.url, "stop_timeout_s": serve.stop_timeout_s,
                 "kt_num_gpu_experts": experts, "extra": {"derived": plan.derived}}
-        pid = sv.spawn_detached(spec, ws.run_dir / "serve-spec.json", ws.run_dir / "supervisor.log")
+        pid = sv.spawn_detached(spec, ws.serve_spec, ws.serve_supervisor_log)
         exit_code = _detached_exit(ws.serve_record, pid)
         with sv.detached_guard(pid):
             outcome = _wait(ctx, plan, follower, exit_code)
@@ -169,12 +201,14 @@ def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
 
 
 def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
-           attempts: list[dict[str, Any]], detach: bool, server: sv.ServerProcess | None
-           ) -> StageResult:
+           attempts: list[dict[str, Any]], detach: bool, server: sv.ServerProcess | None,
+           remembered: str | None = None) -> StageResult:
     outputs = {"url": plan.url, "log": str(log), "kt_num_gpu_experts": experts,
                "attempts": attempts, "argv": plan.argv, "derived": plan.derived,
                "ready_at": now_iso()}
     problems = [Problem("info", n, check="serve.plan") for n in plan.notes]
+    if remembered:
+        problems.append(Problem("info", remembered, check="serve.ladder"))
     if len(attempts) > 1:
         problems.append(Problem(
             "warning", f"ready with {experts} resident experts after KV-cache setup failed with "
