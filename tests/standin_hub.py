@@ -5,7 +5,9 @@ It speaks the few endpoints a snapshot download uses:
 Hugging Face
 - ``GET /api/models/{repo}/revision/{rev}``          repo info with the resolved commit sha
 - ``GET /api/models/{repo}/tree/{rev}[/{dir}]``       file listing (size, git oid, LFS sha256)
-- ``HEAD|GET /{repo}/resolve/{rev}/{file}``           file metadata headers / bytes (Range)
+- ``HEAD|GET /{repo}/resolve/{rev}/{file}``           file metadata headers / bytes (Range);
+  LFS files answer 302 to ``/cdn/{repo}/{sha256}`` with X-Linked-Size / X-Linked-Etag,
+  the way the Hub sends large files to its CDN
 
 ModelScope
 - ``GET /api/v1/models/{repo}/repo/files``            file listing (Path, Size, Sha256)
@@ -80,27 +82,39 @@ class StandinHub:
         self.requests: list[Request] = []
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a second port plays the CDN: another origin, so the client does not follow the
+        # redirect on HEAD and reads the file's metadata from the 302 itself, as on the Hub
+        self._cdn = _QuietServer(("127.0.0.1", 0), self._handler_class())
+        self._threads = [threading.Thread(target=srv.serve_forever, daemon=True)
+                         for srv in (self._server, self._cdn)]
 
     @property
     def url(self) -> str:
         host, port = self._server.server_address[:2]
         return f"http://{host}:{port}"
 
+    @property
+    def cdn_url(self) -> str:
+        host, port = self._cdn.server_address[:2]
+        return f"http://{host}:{port}"
+
     def __enter__(self) -> StandinHub:
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
     def stop(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
+        for srv in (self._server, self._cdn):
+            srv.shutdown()
+            srv.server_close()
 
     def data_requests(self) -> list[Request]:
         """Requests that fetch or probe file contents (not listings)."""
-        return [r for r in self.requests if "/resolve/" in r.path or "/repo?" in r.path]
+        return [r for r in self.requests
+                if "/resolve/" in r.path or "/repo?" in r.path or r.path.startswith("/cdn/")]
 
     def record(self, req: Request) -> None:
         with self._lock:
@@ -156,6 +170,8 @@ class StandinHub:
                     return self._hf_revision(m[1], m[2], head)
                 if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path):
                     return self._hf_tree(m[1], m[2], (m[3] or "").strip("/"), head)
+                if m := re.fullmatch(r"/cdn/([^/]+/[^/]+)/([0-9a-f]{64})", path):
+                    return self._cdn(m[1], m[2], head)
                 if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
                     return self._hf_resolve(m[1], m[2], m[3], head)
                 if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo/files", path):
@@ -209,12 +225,26 @@ class StandinHub:
                 if repo is None or fname not in repo.files:
                     return self._not_found(head, f"{fname} not found",
                                            {"X-Repo-Commit": repo.commit} if repo else None)
-                data = repo.served_bytes(fname)
                 true = repo.files[fname]
-                etag = repo.sha256(fname) if len(true) >= LFS_THRESHOLD else git_blob_oid(true)
-                headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{etag}"',
+                if len(true) >= LFS_THRESHOLD:
+                    sha = repo.sha256(fname)
+                    return self._send(302, b"", {
+                        "Location": f"{hub.cdn_url}/cdn/{repo_id}/{sha}",
+                        "X-Repo-Commit": repo.commit, "X-Linked-Etag": f'"{sha}"',
+                        "X-Linked-Size": str(len(true)), "ETag": '"pointer-oid"'}, head)
+                headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{git_blob_oid(true)}"',
                            "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-                self._ranged(data, headers, head)
+                self._ranged(repo.served_bytes(fname), headers, head)
+
+            def _cdn(self, repo_id: str, sha: str, head: bool) -> None:
+                repo = self._repo(repo_id)
+                name = next((p for p in (repo.files if repo else {}) if repo
+                             and repo.sha256(p) == sha), None)
+                if repo is None or name is None:
+                    return self._not_found(head, "no such blob")
+                self._ranged(repo.served_bytes(name), {
+                    "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+                    "ETag": f'"{sha}"'}, head)
 
             # --- ModelScope ---
             def _ms_files(self, repo_id: str, query: dict[str, str], head: bool) -> None:

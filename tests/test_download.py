@@ -90,8 +90,10 @@ def test_corrupted_local_file_is_named_and_fetched_again(tmp_path: Path, hub: St
     assert "sha256" in result.data["mxfp4"]["refetched_corrupt"][SHARD]
     assert any(SHARD in p.message and "corrupt" in p.message for p in result.problems)
     assert shard.read_bytes() == hub.repos[MXFP4_REPO].files[SHARD]
+    # only that file travels: its HEAD on the hub, then its bytes from the "CDN"
+    sha = hub.repos[MXFP4_REPO].sha256(SHARD)
     fetched = {r.path.rsplit("/", 1)[-1] for r in hub.data_requests()}
-    assert fetched == {SHARD}
+    assert fetched == {SHARD, sha}
 
 
 def test_hub_serving_bad_bytes_fails_naming_the_file_and_next_run_repairs(
@@ -275,3 +277,21 @@ def test_hf_hub_offline_variable_means_local_dir_only(tmp_path: Path, hub: Stand
     result = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
     assert result.ok
     assert hub.requests == []
+
+
+def test_hf_leftover_partials_are_dropped_and_the_file_fetched_whole(tmp_path: Path,
+                                                                       hub: StandinHub) -> None:
+    # huggingface_hub 2.x never resumes a plain-HTTP partial (it writes a fresh temp file per
+    # process); what a killed run leaves behind must not pile up on a 150 GiB download
+    ctx = make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")
+    repo = hub.repos[MXFP4_REPO]
+    data = repo.files[SHARD]
+    leftover = (weights(ctx, "mxfp4") / ".cache" / "huggingface" / "download"
+                / f"x.{repo.sha256(SHARD)}.1234abcd.incomplete")
+    leftover.parent.mkdir(parents=True)
+    leftover.write_bytes(data[:1000])
+    result = download.run(ctx)
+    assert result.ok, result.problems
+    assert (weights(ctx, "mxfp4") / SHARD).read_bytes() == data
+    assert not leftover.exists()
+    assert not list(leftover.parent.rglob("*.incomplete"))

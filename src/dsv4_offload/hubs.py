@@ -336,6 +336,7 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
         from huggingface_hub.utils import disable_progress_bars
 
         disable_progress_bars()  # stages never print; progress goes through ctx.progress
+        drop_stale_partials(local_dir)
     todo: queue.SimpleQueue[HubFile | None] = queue.SimpleQueue()
     done: queue.SimpleQueue[tuple[HubFile, str | None]] = queue.SimpleQueue()
     for f in files:
@@ -371,6 +372,21 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
         elif on_file_done:
             on_file_done(f)
     return failures
+
+
+def drop_stale_partials(local_dir: Path) -> list[Path]:
+    """Remove partial files huggingface_hub left behind (a killed run); returns them.
+
+    huggingface_hub 2.x downloads each file into a new per-process temp name and never
+    resumes a plain-HTTP partial (Xet-backed repos resume by chunk in hf_xet's cache), so
+    leftovers only waste disk. The workspace lock makes sure no other run is writing them.
+    """
+    root = local_dir / ".cache" / "huggingface" / "download"
+    stale = sorted(root.rglob("*.incomplete")) if root.is_dir() else []
+    for p in stale:
+        with contextlib.suppress(FileNotFoundError):
+            p.unlink()
+    return stale
 
 
 def partial_bytes(hub: str, local_dir: Path) -> int:
