@@ -89,7 +89,8 @@ def download(
     1. Ask the hub for the revision's file listing (the resolved commit is recorded).
     2. Check what is on disk: sizes, and sha256 (or git blob id) of files not verified
        before; check the disk can take the rest.
-    3. Fetch the missing files with the hub's client (partial files resume).
+    3. Fetch the missing files with the hub's client (finished files are kept;
+       ModelScope partial files resume by range, Hugging Face Xet files by chunk).
     4. Check every fetched file against the listing; a corrupt one is named and removed,
        and the next run fetches it again.
     """

@@ -265,7 +265,7 @@ def _silence_modelscope_bars() -> Callable[[], None]:
 def client_metadata_paths(hub: str, local_dir: Path, path: str) -> list[Path]:
     """Files a client keeps beside a local copy; removing them forces a clean re-fetch."""
     if hub == "huggingface":
-        # partial downloads (*.incomplete) are left alone: they are how the client resumes
+        # partial files are not listed here: fetch() drops huggingface_hub's stale ones
         base = local_dir / ".cache" / "huggingface" / "download" / path
         return [base.with_name(base.name + ".metadata")]
     return []
@@ -324,7 +324,7 @@ def check_content(local: Path, expected: HubFile,
 def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir: Path, *,
           max_workers: int = 4, on_file_done: Callable[[HubFile], None] | None = None,
           on_poll: Callable[[], None] | None = None) -> dict[str, str]:
-    """Download ``files`` into ``local_dir`` with the hub's client; resumes partial files.
+    """Download ``files`` into ``local_dir`` with the hub's client (it resumes what it can).
 
     Returns {path: error line} for the files that failed (the others are on disk).
     ``on_poll`` is called about once a second while downloads run (byte progress).
@@ -353,7 +353,7 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
                 done.put((f, None))
 
     # daemon threads, not an executor: on Ctrl-C the command exits at once instead of
-    # waiting for every in-flight file; the clients' partial files stay and resume later
+    # waiting for every in-flight file; finished files stay, partial ones are redone or resumed
     workers = max(1, min(max_workers, len(files)))
     for _ in range(workers):
         todo.put(None)

@@ -2,11 +2,13 @@
 
 For each weight set: ask the hub for its listing at the recipe's revision (the resolved
 commit is what we fetch and record), check what is already on disk, make sure the disk
-can take the rest, fetch the missing files with the hub's client (it resumes partial
-files), then check every file against the listing: size always, sha256 or git blob id
-where the hub gives one. Hashes of files already verified are cached by (size, mtime), so
-a rerun with everything present hashes nothing and fetches nothing. A corrupt file is
-named, removed, and fetched again on the next run (``--repair`` re-hashes everything).
+can take the rest, fetch the missing files with the hub's client (finished files are
+kept; modelscope resumes a partial file by range, huggingface_hub resumes Xet-backed files
+by chunk and restarts a plain-HTTP one), then check every file against the listing: size
+always, sha256 or git blob id where the hub gives one. Hashes of files already verified
+are cached by (size, mtime), so a rerun with everything present hashes nothing and
+fetches nothing. A corrupt file is named, removed, and fetched again on the next run
+(``--repair`` re-hashes everything).
 """
 
 from __future__ import annotations
@@ -339,8 +341,7 @@ def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[h
         report.problems.append(Problem(
             "error", f"{name}: {len(failures)} file(s) failed to download: "
             f"{_sample(sorted(failures))} ({next(iter(failures.values()))})",
-            fix=f"rerun `dsv4-offload download {name}`: finished files are kept and partial "
-            "ones resume", check=name))
+            fix=f"rerun `dsv4-offload download {name}`: finished files are kept", check=name))
     done = [f for f in files if f.path not in failures]
     report.fetched = sorted(f.path for f in done)
     report.fetched_bytes = sum(f.size for f in done)
