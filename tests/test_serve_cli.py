@@ -171,3 +171,30 @@ def test_logs_follow_ends_when_the_server_stops(tmp_path, no_leftovers):
     assert "KV Cache is allocated" in out
     assert "GET /health" in out  # a line written after `logs -f` started
     assert follow.returncode == 0
+
+
+def test_ctrl_c_while_a_detached_server_loads_leaves_nothing(tmp_path, no_leftovers):
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "slow-start",
+                                         "--start-delay", "60") for a in ("--set", o)]
+    env = {**os.environ, **host_env("x86-no-npu")}
+    cmd = [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws.root), *sets]
+    proc = subprocess.Popen([*cmd, "serve", "--detach"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any(
+                p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")
+                for p in leftovers(no_leftovers)):
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130
+    deadline = time.monotonic() + 10  # the supervisor stops its server, then exits
+    while leftovers(no_leftovers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not leftovers(no_leftovers)
