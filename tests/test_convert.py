@@ -165,6 +165,16 @@ def test_one_job_and_two_jobs_write_the_same_bytes(
         assert sha256(tmp_path / "gguf" / name) == sha256(converted / name)
 
 
+def test_numpy_fallback_writes_the_same_bytes(converted: Path, checkpoint: Path,
+                                              tmp_path: Path) -> None:
+    result = run_cli("-w", str(tmp_path), "convert", "--source", str(checkpoint), "-j", "1",
+                     env={"DSV4_MXFP4_KERNEL": "numpy"})
+    assert result.code == 0, result
+    for layer in range(DIMS.layers):
+        name = FILE.format(layer)
+        assert sha256(tmp_path / "gguf" / name) == sha256(converted / name)
+
+
 def test_layer_selection_and_jobs_defaults() -> None:
     assert convert.parse_layers("0-2,5", 43) == [0, 1, 2, 5]
     assert convert.parse_layers("3,5,7", 43) == [3, 5, 7]

@@ -65,6 +65,20 @@ def test_halfblock_order_matches_a_per_nibble_loop(rows: tuple[np.ndarray, np.nd
     np.testing.assert_array_equal(got, reference_halfblock(weight))
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["compiled", "numpy"])
+def test_both_repack_implementations_write_the_same_blocks(native: bool) -> None:
+    if native and mxfp4.native_repack() is None:
+        pytest.skip(f"no compiled kernel here: {mxfp4.kernel_status()}")
+    rng = np.random.default_rng(7)
+    weight = rng.integers(0, 256, (40, 96), dtype=np.uint8)  # 240 blocks: several chunks
+    scale = rng.integers(0, 256, (40, 6), dtype=np.uint8)
+    out = np.empty(40 * 6 * 17, np.uint8)
+    mxfp4.Repacker(chunk_blocks=64, native=native).repack_into(weight, scale, out)
+    blocks = out.reshape(40, 6, 17)
+    np.testing.assert_array_equal(blocks[..., 0], scale)
+    np.testing.assert_array_equal(blocks[..., 1:].reshape(40, 96), reference_halfblock(weight))
+
+
 def test_one_block_by_hand() -> None:
     # element i has code i % 16: consecutive bytes are 0x10, 0x32, ..., half-block j = j | j<<4
     weight = np.array([[(2 * i % 16) | ((2 * i + 1) % 16) << 4 for i in range(16)]], np.uint8)

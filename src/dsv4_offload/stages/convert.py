@@ -165,6 +165,7 @@ def convert_layer(source: Path, layout: Any, final: Path,
         # two buffer sets: the write of one expert overlaps the read + repack of the next
         slots = [(np.empty(max_w, np.uint8), np.empty(max_s, np.uint8),
                   np.empty(max_out, np.uint8)) for _ in range(2)]
+        repacker = mxfp4.Repacker()
         pending: list[cf.Future[None] | None] = [None, None]
         final.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
@@ -183,7 +184,7 @@ def convert_layer(source: Path, layout: Any, final: Path,
                             weight = ckpt.read_into(w_entry, w_buf)
                             scale = ckpt.read_into(s_entry, s_buf)
                             out = out_buf[: tensor.expert_bytes]
-                            mxfp4.repack_into(weight, scale, out)
+                            repacker.repack_into(weight, scale, out)
                             pending[slot] = writer.submit(_pwrite_all, fd, memoryview(out),
                                                           tensor.expert_offset(expert))
                             if report is not None:
@@ -343,6 +344,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 def run(ctx: StageContext) -> StageResult:
     from dsv4_offload.checkpoint import Checkpoint
     from dsv4_offload.gguf_io import LayerLayout, forget_manifest_entries
+    from dsv4_offload.mxfp4 import kernel_status
 
     source, out_dir = source_dir(ctx), gguf_dir(ctx)
     force = bool(ctx.option("force", False))
@@ -418,7 +420,7 @@ def run(ctx: StageContext) -> StageResult:
         f"converted {len(converted)} layer(s) into {out_dir} in {seconds:.1f} s "
         f"({rate:.2f} GB/s, {jobs} job(s)); {len(skipped)} already present",
         data={**base, "converted": converted, "jobs": jobs, "seconds": round(seconds, 3),
-              "bytes": need, "gb_per_s": round(rate, 3)},
+              "bytes": need, "gb_per_s": round(rate, 3), "repack": kernel_status()},
         outputs=outputs,
     )
 

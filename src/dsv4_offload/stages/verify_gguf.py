@@ -197,6 +197,7 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
         got_buf, want_buf = np.empty(max_out, np.uint8), np.empty(max_out, np.uint8)
         w_buf = np.empty(max(w.nbytes for _p, ps in entries for w, _s in ps), np.uint8)
         s_buf = np.empty(max(s.nbytes for _p, ps in entries for _w, s in ps), np.uint8)
+        repacker = mxfp4.Repacker()  # one per thread: it owns scratch buffers
         diffs = []
         for t_index, (tensor, (_proj, pairs)) in enumerate(
                 zip(layout.tensors, entries, strict=True)):
@@ -205,8 +206,8 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
                 got = got_buf[: tensor.expert_bytes]
                 want = want_buf[: tensor.expert_bytes]
                 _pread_into(fd, got, tensor.expert_offset(expert))
-                mxfp4.repack_into(ckpt.read_into(w_entry, w_buf), ckpt.read_into(s_entry, s_buf),
-                                  want)
+                repacker.repack_into(ckpt.read_into(w_entry, w_buf),
+                                     ckpt.read_into(s_entry, s_buf), want)
                 if not _equal(got, want) and len(diffs) < MAX_DIFFS_PER_LAYER:
                     diffs.append((t_index, expert, got.copy(), want.copy()))
                 if advance is not None:
