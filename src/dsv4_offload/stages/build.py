@@ -14,6 +14,9 @@
 5. An optional step that fails is a warning; one whose compiler is missing is skipped.
 6. Configuring kt-kernel's CMake inside a git work tree installs commit hooks into that
    repo: hooks that appear during the build are reported.
+7. CMake caches options (CPUINFER_ARM_SVE...): when a step's command, env or python
+   changed since its last good build, its ``build/`` dir is removed first (``--clean``
+   forces it). A failing step's log is matched against known pitfalls for the fix.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (r"llamafile not supported",
      "kt-kernel was built with ARM SVE: keep CPUINFER_ARM_SVE=OFF, CPUINFER_ARM_BF16=OFF and "
-     "CPUINFER_ARM_I8MM=OFF in the kt-kernel step's env and rebuild from a clean build dir"),
+     "CPUINFER_ARM_I8MM=OFF in the kt-kernel step's env, then `dsv4-offload build kt-kernel "
+     "--clean`"),
     (r"hwloc\.h: No such file|Could NOT find (HWLOC|hwloc)|cannot find -lhwloc",
      "apt-get install libhwloc-dev (yum install hwloc-devel)"),
     (r"numa\.h: No such file|cannot find -lnuma|Could NOT find (NUMA|numa)",
