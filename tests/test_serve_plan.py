@@ -241,3 +241,13 @@ def test_plan_env_layers_script_env_under_the_recipe(ws: Workspace):
     assert plan.env["TASK_QUEUE_ENABLE"] == "1"  # the recipe's fixed export wins
     assert plan.env["ASCEND_TOOLKIT_HOME"] == "/opt/tk"
     assert "KT_NSA_COMPRESSOR_MODE=split" in plan.shell()
+
+
+def test_script_form_round_trips_to_the_same_argv(ws: Workspace):
+    plan = build_plan(load_recipe(), host(), ws, base_env={"http_proxy": "x"})
+    lines = plan.script()
+    assert lines[0] == "unset http_proxy"
+    assert "export KT_NSA_COMPRESSOR_MODE=split" in lines
+    command = lines[-1]
+    assert command.splitlines()[0] == "python3.11 -m sglang.launch_server \\"
+    assert shlex.split(command.replace("\\\n", " ")) == plan.argv

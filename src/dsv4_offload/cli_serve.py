@@ -87,7 +87,7 @@ def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
     plan = serve_stage.make_plan(sctx, strict=False)
     lines = [f"# {note}" for note in plan.notes]
     lines += [f"# {k}: {v}" for k, v in plan.derived.items() if k.endswith("_reason")]
-    lines.append(plan.shell())
+    lines += plan.script()
     clikit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
                 lines=lines)
 

@@ -50,6 +50,19 @@ class ServePlan:
         exports = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env_set.items()))
         return f"{unset}{exports} {shlex.join(self.argv)}".strip()
 
+    def script(self) -> list[str]:
+        """The plan as a readable shell script: unset, one export a line, one flag a line."""
+        lines = [f"unset {' '.join(self.env_unset)}"] if self.env_unset else []
+        lines += [f"export {k}={shlex.quote(v)}" for k, v in sorted(self.env_set.items())]
+        parts: list[str] = [shlex.quote(self.argv[0])]
+        for arg in self.argv[1:]:
+            if arg.startswith("--"):
+                parts.append(shlex.quote(arg))
+            else:  # a flag's value, or the program's leading arguments
+                parts[-1] += " " + shlex.quote(arg)
+        lines.append(" \\\n    ".join(parts))
+        return lines
+
     def as_dict(self) -> dict[str, Any]:
         return {"argv": self.argv, "env_set": dict(sorted(self.env_set.items())),
                 "env_unset": self.env_unset, "url": self.url, "derived": self.derived,
