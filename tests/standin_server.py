@@ -29,8 +29,10 @@ FATAL_LINES = {
     "numa": "NUMA node 7 not found",
     "libmxfp4fused": "OSError: libmxfp4fused.so: cannot open shared object file: "
                      "No such file or directory",
-    "quant-type": "RuntimeError: gguf quant type mismatch: tensor blk.0.ffn_gate_exps.weight "
-                  "has type 8, expected 39",
+    "quant-type": "terminate called after throwing an instance of 'std::runtime_error'\n"
+                  "  what():  intermediate_size * hidden_size must be a multiple of up_type "
+                  "blck size",
+    "gguf-missing": "FileNotFoundError: GGUF path not found: /w/gguf/dsv4_layer0_mxfp4.gguf",
 }
 GOOD_ANSWERS = {
     "中国": "北京。北京是中华人民共和国的首都，也是全国的政治和文化中心。",

@@ -104,6 +104,7 @@ def test_not_ready_within_the_timeout_fails_and_stops_the_server(tmp_path, no_le
     ("numa", "NUMA nodes"),
     ("libmxfp4fused", "build ascendc-op"),
     ("quant-type", "verify-gguf"),
+    ("gguf-missing", "dsv4-offload convert"),
 ])
 def test_known_fatal_line_stops_the_wait_at_once_with_its_fix(tmp_path, no_leftovers, key, fix):
     # the stand-in prints the line and stays up, like a wedged server: the line alone decides

@@ -86,8 +86,17 @@ FATAL_PATTERNS: tuple[FatalPattern, ...] = (
         "serve.env.KT_MXFP4_DEPOOL=0",
     ),
     FatalPattern(
+        "gguf-missing",
+        re.compile(r"GGUF path not found|No \.gguf files found"),
+        "kt-kernel found no GGUF file at --kt-weight-path",
+        "run `dsv4-offload convert` and `dsv4-offload verify-gguf`; check "
+        "conversion.gguf_dir and conversion.file_template",
+    ),
+    FatalPattern(
         "quant-type",
-        re.compile(r"(quant(ization)?[ _-]?type|ggml[ _]type|gguf type).{0,80}"
+        # kt-kernel's MoE checks the block size of each projection's ggml type
+        re.compile(r"must be a multiple of (gate|up|down)_type blck size"
+                   r"|(quant(ization)?[ _-]?type|ggml[ _]type|gguf type).{0,80}"
                    r"(mismatch|does not match|unsupported|expected)", re.I),
         "the GGUF tensors' quant type is not what kt-kernel expects (MXFP4, ggml type 39)",
         "regenerate the GGUF with `dsv4-offload convert --force` and check it with "
