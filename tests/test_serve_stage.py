@@ -169,3 +169,16 @@ def test_fingerprint_changes_when_the_server_dies(tmp_path, no_leftovers):
     assert serve.fingerprint_inputs(ctx) == before  # started: `serve` stays done
     sv.stop_recorded(ctx.workspace.serve_record, 3)
     assert serve.fingerprint_inputs(ctx) != before  # stopped: `run` starts it again
+
+
+def test_kml_library_goes_first_on_the_library_path_when_present(tmp_path, no_leftovers):
+    kml = tmp_path / "kml" / "lib"
+    kml.mkdir(parents=True)
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good")
+    ctx = context(ctx.workspace, [*standin_overrides(no_leftovers, free_port()),
+                                  f"serve.kml_lib_dir={kml}"], "serve")
+    plan = serve.make_plan(ctx)
+    assert plan.env["LD_LIBRARY_PATH"].split(":")[0] == str(kml)
+    missing = context(ctx.workspace, [*standin_overrides(no_leftovers, free_port()),
+                                      f"serve.kml_lib_dir={tmp_path / 'none'}"], "serve")
+    assert str(tmp_path / "none") not in serve.make_plan(missing).env.get("LD_LIBRARY_PATH", "")

@@ -275,6 +275,10 @@ class Serve(Strict):
     reserved_cores: int = Field(
         4, ge=0, description="cores kept free of CPU-infer threads (NPU callback, python, OS)"
     )
+    kml_lib_dir: str | None = Field(
+        "/usr/local/kml/lib", description="Kunpeng Math Library, put first on LD_LIBRARY_PATH "
+        "when the directory exists"
+    )
     health_paths: list[str] = Field(
         ["/health", "/health_generate"], description="readiness: each must answer 200, in order"
     )

@@ -55,6 +55,10 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
     if problem and strict and serve.command is None:
         raise Dsv4Error(problem)
     script_env = capture_script_env(scripts, base, cache_dir=ctx.workspace.run_dir)
+    if serve.kml_lib_dir and Path(serve.kml_lib_dir).is_dir():
+        # the launcher puts Kunpeng's math library first when the host has it
+        rest = script_env.get("LD_LIBRARY_PATH", base.get("LD_LIBRARY_PATH", ""))
+        script_env["LD_LIBRARY_PATH"] = ":".join(p for p in (serve.kml_lib_dir, rest) if p)
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
                       device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
                       gpu_experts=gpu_experts, require_layers=strict)
