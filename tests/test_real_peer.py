@@ -77,8 +77,10 @@ def peer_python() -> Path:
         if not shutil.which("cmake"):
             pytest.skip("cmake is needed to build llama-cpp-python (apt-get install cmake)")
         env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-w", str(wheels),
-              f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log, env)
+        # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and could hand back a native
+        # build made earlier with other flags
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w",
+              str(wheels), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log, env)
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)], log)
     _run([str(python), "-m", "pip", "install", "-q", "--find-links", str(wheels),
