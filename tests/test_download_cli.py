@@ -64,3 +64,5 @@ def test_bad_arguments_exit_2(tmp_path: Path, env: dict[str, str]) -> None:
     assert run_cli("--workspace", ws, "download", "fp8", env=env).code == 2
     bad = run_cli("--workspace", ws, "download", "--endpoint", "a", "--endpoint", "b", env=env)
     assert bad.code == 2 and "HUB=URL" in bad.err
+    both = run_cli("--workspace", ws, "download", "--endpoint", "http://127.0.0.1:9", env=env)
+    assert both.code == 2 and "name the set" in both.err

@@ -97,6 +97,11 @@ def download(
     if which is not None and which not in WEIGHT_SET_NAMES:
         raise InputError(f"download: '{which}' is not a weight set; use "
                          f"{' or '.join(WEIGHT_SET_NAMES)} (or nothing for both)")
+    endpoints = _endpoints(endpoint)
+    if isinstance(endpoints, str) and which is None:
+        # the two sets live on different hubs: one mirror URL cannot serve both
+        raise InputError(f"--endpoint {endpoints}: name the set (download mxfp4 --endpoint URL) "
+                         "or the hub (--endpoint huggingface=URL / modelscope=URL)")
     clikit.run_stage(ctx, "download", {
-        "which": which, "endpoint": _endpoints(endpoint), "local_dir_only": local_dir_only,
+        "which": which, "endpoint": endpoints, "local_dir_only": local_dir_only,
         "repair": repair, "max_workers": max_workers})
