@@ -24,6 +24,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -80,6 +81,7 @@ class StandinHub:
     def __init__(self, repos: list[HubRepo]) -> None:
         self.repos = {r.repo_id: r for r in repos}
         self.requests: list[Request] = []
+        self.throttle: float | None = None  # bytes per second for file bodies, to interrupt
         self._lock = threading.Lock()
         self._server = _QuietServer(("127.0.0.1", 0), self._handler_class())
         # a second port plays the CDN: another origin, so the client does not follow the
@@ -136,15 +138,25 @@ class StandinHub:
                 self._dispatch(head=False)
 
             # --- plumbing ---
-            def _send(self, status: int, body: bytes, headers: dict[str, str], head: bool) -> None:
+            def _send(self, status: int, body: bytes, headers: dict[str, str], head: bool,
+                      throttle: bool = False) -> None:
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
                 if "Content-Length" not in headers:
                     self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                if not head:
+                if head:
+                    return
+                rate = hub.throttle if throttle else None
+                if not rate:
                     self.wfile.write(body)
+                    return
+                step = max(1, int(rate / 10))
+                for i in range(0, len(body), step):
+                    self.wfile.write(body[i:i + step])
+                    self.wfile.flush()
+                    time.sleep(step / rate)
 
             def _json(self, value: object, head: bool = False, status: int = 200,
                       extra: dict[str, str] | None = None) -> None:
@@ -284,8 +296,9 @@ class StandinHub:
                     end = min(end, len(data) - 1)
                     part = data[start:end + 1]
                     return self._send(206, part, {
-                        **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"}, head)
-                self._send(200, data, headers, head)
+                        **headers, "Content-Range": f"bytes {start}-{end}/{len(data)}"}, head,
+                        throttle=True)
+                self._send(200, data, headers, head, throttle=True)
 
         return Handler
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import json
+import os
+import signal
 import socket
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import CLI, run_cli
 from standin_hub import StandinHub, tiny_model_repo
 
 MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
@@ -66,3 +71,39 @@ def test_bad_arguments_exit_2(tmp_path: Path, env: dict[str, str]) -> None:
     assert bad.code == 2 and "HUB=URL" in bad.err
     both = run_cli("--workspace", ws, "download", "--endpoint", "http://127.0.0.1:9", env=env)
     assert both.code == 2 and "name the set" in both.err
+
+
+def test_ctrl_c_mid_file_then_rerun_resumes(tmp_path: Path, env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    repo = tiny_model_repo(W8A8_REPO)
+    big = "model-00002-of-00002.safetensors"
+    repo.files[big] = bytes(range(256)) * 256  # 64 KiB
+    target = ws / "weights" / "DeepSeek-V4-Flash-W8A8" / big
+    partial = target.with_name(big + ".incomplete")  # where modelscope keeps a partial file
+    with StandinHub([repo]) as hub:
+        hub.throttle = 16 * 1024  # 4 s for the big file: time to interrupt it
+        args = [*CLI, "--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                "--max-workers", "1"]
+        proc = subprocess.Popen(args, env={**os.environ, **env}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not (partial.exists() and partial.stat().st_size >= 16 * 1024):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=30)
+        assert proc.returncode == 130, (out, err)
+        assert not target.exists()  # never a half file under the final name
+        kept = partial.stat().st_size
+        assert 0 < kept < len(repo.files[big])
+        state = json.loads((ws / ".dsv4" / "state.json").read_text())
+        assert state["stages"]["download"]["status"] == "failed"
+
+        hub.throttle = None
+        hub.requests.clear()
+        again = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                        env=env)
+        assert again.code == 0, again
+        assert target.read_bytes() == repo.files[big]
+        ranges = [r.range for r in hub.data_requests() if big in r.path]
+        assert ranges == [f"bytes={kept}-"]
