@@ -210,3 +210,10 @@ def test_help_lists_every_command(cli) -> None:
     for command in ("run", "status", "doctor", "recipe"):
         assert command in res.out
     assert sys.executable  # the console script equals `python -m dsv4_offload`
+
+
+@pytest.mark.parametrize("args", [["run", "--frm", "x"], ["nocmd"], ["doctor", "--device", "x"]])
+def test_usage_errors_exit_2_without_traceback(cli, args: list[str]) -> None:
+    res = cli(*args)
+    assert res.code == 2, res
+    assert "Traceback" not in res.err and "Error:" in res.err

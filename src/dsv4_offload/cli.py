@@ -256,9 +256,36 @@ def _command_name(args: list[str]) -> str:
     return " ".join(words)
 
 
+def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+    """Usage-error, abort and exit exception types: click's and typer's bundled copies.
+
+    typer >= 0.20 vendors its own click, whose exceptions are not click's classes.
+    """
+    import typer.core
+
+    usage: list[type] = []
+    aborts: list[type] = [typer.core.Abort]
+    exits: list[type] = [typer.core.Exit]
+    try:
+        from typer._click import exceptions as vendored
+
+        usage.append(vendored.ClickException)
+    except ImportError:  # pragma: no cover - older typer
+        pass
+    try:
+        import click
+
+        usage.append(click.exceptions.ClickException)
+        aborts.append(click.exceptions.Abort)
+        exits.append(click.exceptions.Exit)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(usage), tuple(aborts), tuple(exits)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: expected failures print one line and exit with their code."""
-    import click
+    usage_errors, aborts, exits = _click_exception_types()
 
     args = sys.argv[1:] if argv is None else argv
     as_json = "--json" in args
@@ -267,17 +294,14 @@ def main(argv: list[str] | None = None) -> None:
         rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
-    except click.exceptions.Abort:
+    except (*aborts, KeyboardInterrupt):
         sys.stderr.write("interrupted\n")
         sys.exit(int(ExitCode.INTERRUPTED))
-    except KeyboardInterrupt:
-        sys.stderr.write("interrupted\n")
-        sys.exit(int(ExitCode.INTERRUPTED))
-    except click.exceptions.ClickException as exc:
-        exc.show()
+    except usage_errors as exc:
+        exc.show()  # type: ignore[attr-defined]
         sys.exit(int(ExitCode.INVALID_INPUT))
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
+    except exits as exc:
+        sys.exit(exc.exit_code)  # type: ignore[attr-defined]
     if rv == ExitCode.INTERRUPTED:
         # typer turns Ctrl-C into a plain exit code 130; still say what happened
         sys.stderr.write("interrupted\n")
