@@ -251,3 +251,23 @@ def test_script_form_round_trips_to_the_same_argv(ws: Workspace):
     command = lines[-1]
     assert command.splitlines()[0] == "python3.11 -m sglang.launch_server \\"
     assert shlex.split(command.replace("\\\n", " ")) == plan.argv
+
+
+def test_server_env_puts_the_built_checkouts_on_pythonpath(ws: Workspace):
+    recipe = load_recipe()
+    plan = build_plan(recipe, host(), ws, base_env={"PYTHONPATH": "/site/extra"})
+    parts = plan.env["PYTHONPATH"].split(os.pathsep)
+    assert parts == [str(ws.root / "src/ktransformers/kt-kernel"),
+                     str(ws.root / "src/ktransformers/third_party/sglang/python"), "/site/extra"]
+
+
+def test_serve_and_doctor_pick_the_same_card():
+    from dsv4_offload.host import choose_npu
+
+    recipe = load_recipe()
+    cards = (npu(0, used=9000), npu(1, used=2500, core=40), npu(2, used=2600, core=0))
+    chosen = choose_npu(cards, recipe.host.npu_models,
+                        mem_fraction=recipe.serve.mem_fraction_static)
+    assert chosen is not None
+    assert pick_device(cards, None, None, models=recipe.host.npu_models)[0] == str(
+        chosen.device_id)

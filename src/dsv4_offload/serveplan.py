@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.host import choose_npu
 
 if TYPE_CHECKING:
     from dsv4_offload.host import HostFacts, NpuInfo
@@ -119,9 +120,13 @@ def nsa_compressor_mode(setting: str, cann_version: str | None) -> tuple[str, st
     return ("single" if major >= 9 else "split"), f"from CANN {cann_version}"
 
 
-def pick_device(npus: Sequence[NpuInfo], requested: int | None,
-                inherited: str | None) -> tuple[str | None, str]:
-    """(ASCEND_RT_VISIBLE_DEVICES value, reason): --device, the env, else the idlest card."""
+def pick_device(npus: Sequence[NpuInfo], requested: int | None, inherited: str | None, *,
+                models: Sequence[str] = (), mem_fraction: float = 0.81
+                ) -> tuple[str | None, str]:
+    """(ASCEND_RT_VISIBLE_DEVICES value, reason): --device, the env, else the idlest card.
+
+    The idlest card is the one doctor checks (host.choose_npu), so both name the same card.
+    """
     healthy = [n for n in npus if (n.health or "").strip().lower() == "ok"]
     if requested is not None:
         known = {n.device_id: n for n in npus}
@@ -139,9 +144,10 @@ def pick_device(npus: Sequence[NpuInfo], requested: int | None,
         return inherited, "kept from the environment"
     if not healthy:
         return None, "no healthy NPU reported by npu-smi"
-    idlest = min(healthy, key=lambda n: (n.hbm_used_mb if n.hbm_used_mb is not None else 1 << 40,
-                                         n.aicore_pct if n.aicore_pct is not None else 100,
-                                         n.device_id))
+    # prefer the recipe's NPU model; any healthy card when none matches (doctor says so)
+    idlest = (choose_npu(healthy, models, mem_fraction=mem_fraction)
+              or choose_npu(healthy, ("",), mem_fraction=mem_fraction))
+    assert idlest is not None  # healthy is not empty
     return str(idlest.device_id), (f"idlest healthy card, {idlest.label} (HBM used "
                                    f"{idlest.hbm_used_mb} MB, AI core {idlest.aicore_pct}%)")
 
@@ -242,7 +248,9 @@ def build_plan(
                      f"a {longest_prompt}-token prompt")
     experts = s.kt_num_gpu_experts if gpu_experts is None else gpu_experts
     mode, mode_reason = nsa_compressor_mode(s.nsa_compressor_mode, host.cann_version)
-    dev, dev_reason = pick_device(host.npus, device, base_env.get("ASCEND_RT_VISIBLE_DEVICES"))
+    dev, dev_reason = pick_device(host.npus, device, base_env.get("ASCEND_RT_VISIBLE_DEVICES"),
+                                  models=recipe.host.npu_models,
+                                  mem_fraction=s.mem_fraction_static)
     if dev is None and not own_command:
         raise Dsv4Error(
             f"serve: {dev_reason}; check `npu-smi info` (run `dsv4-offload doctor`) or pass "
@@ -278,6 +286,13 @@ def build_plan(
         "KT_MXFP4_CKPT": str(workspace.weights_dir(recipe, "mxfp4")),
         "KT_NSA_COMPRESSOR_MODE": mode,
     }
+    # sglang and kt_kernel import from their checkouts, as the build's import check did
+    from dsv4_offload.stages.build import runtime_pythonpath
+
+    pythonpath = [str(p) for p in runtime_pythonpath(workspace, recipe)]
+    if base_env.get("PYTHONPATH"):
+        pythonpath.append(base_env["PYTHONPATH"])
+    derived_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
     if host.cann_toolkit:
         derived_env["ASCEND_TOOLKIT_HOME"] = host.cann_toolkit
     if dev is not None:
