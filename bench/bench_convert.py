@@ -1,15 +1,17 @@
 """Benchmark: one real-size MXFP4 layer through `convert` and `verify-gguf`, against coreutils.
 
-Usage: .venv/bin/python bench/bench_convert.py [--dir DIR] [--repeats N] [--keep]
+Usage: .venv/bin/python bench/bench_convert.py [--dir DIR] [--repeats N] [--warm] [--keep]
 
 1. Writes a synthetic native checkpoint of one real-size layer (256 experts, hidden 4096,
    moe intermediate 2048: 3.27 GB of I8 + F8_E8M0 tensors) under a temp dir.
 2. Conversion: `cp SHARD DIR && sync FILE` against our converter (fsync included) in a
    child process, alternating, median of --repeats; the child's peak RSS from wait4.
+   The source shard is evicted from the page cache before each run (cold, as in reality;
+   --warm keeps it cached, which favours cp: it then does one in-kernel copy).
 3. Level 2: sha256 of the same files with `sha256sum` against ours (hashlib, files in
    parallel threads). Level 3: GB/s of the bit-exact comparison with the source.
-Both sides read warm page cache (the files were just written), as in a real run right
-after a conversion. Prints the ratios and the targets; asserts nothing.
+Level 2 and 3 read warm page cache (the files were just written), as in a verification
+right after a conversion. Prints the ratios and the targets; asserts nothing.
 """
 
 from __future__ import annotations
@@ -59,11 +61,27 @@ def timed(args: list[str]) -> tuple[float, int]:
     return (float(inner) if inner else seconds), usage.ru_maxrss * 1024
 
 
+def evict(path: Path) -> None:
+    """Drop one file from the page cache (not the whole cache: the machine is shared).
+
+    A real conversion reads a layer out of a 150 GB checkpoint that is not in memory, so
+    both cp and the converter start from a cold source.
+    """
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where to put the ~10 GB of temp files")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--keep", action="store_true", help="keep the temp files")
+    parser.add_argument("--warm", action="store_true",
+                        help="leave the source in the page cache (default: evict it per run)")
     args = parser.parse_args()
 
     base = Path(tempfile.mkdtemp(prefix="dsv4-bench-", dir=args.dir))
@@ -78,14 +96,14 @@ def main() -> None:
     print(f"bench dir {base}; cores {os.cpu_count()}; load average at start "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
-        run(base, args.repeats)
+        run(base, args.repeats, args.warm)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print(f"load average at end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def run(base: Path, repeats: int) -> None:
+def run(base: Path, repeats: int, warm: bool) -> None:
     dims = REAL_LAYER
     t0 = time.perf_counter()
     source = write_synthetic_checkpoint(base / "DeepSeek-V4-Flash", dims, seed=1)
@@ -101,12 +119,16 @@ def run(base: Path, repeats: int) -> None:
     cp_s, cp_sync_s, ours_s, rss = [], [], [], []
     for _ in range(repeats):
         copy.unlink(missing_ok=True)
+        if not warm:
+            evict(shard)
         t = time.perf_counter()
         subprocess.run(["cp", str(shard), str(copy)], check=True)
         cp_s.append(time.perf_counter() - t)
         subprocess.run(["sync", str(copy)], check=True)
         cp_sync_s.append(time.perf_counter() - t)
         out.unlink(missing_ok=True)
+        if not warm:
+            evict(shard)
         seconds, peak = timed([sys.executable, "-c", CHILD, str(source), str(out),
                                *(str(getattr(dims, k)) for k in
                                  ("layers", "experts", "experts_per_token", "hidden",
@@ -141,8 +163,8 @@ def run(base: Path, repeats: int) -> None:
 
     gb = 1e9
     print()
-    print(f"conversion, {source_bytes / gb:.2f} GB of source -> {layout.file_bytes / gb:.2f} GB "
-          f"(median of {repeats}):")
+    print(f"conversion, {source_bytes / gb:.2f} GB of {'warm' if warm else 'cold'} source -> "
+          f"{layout.file_bytes / gb:.2f} GB (median of {repeats}):")
     print(f"  cp              {cp_med:6.2f} s  {source_bytes / cp_med / gb:5.2f} GB/s")
     print(f"  cp + sync       {cp_sync_med:6.2f} s  {source_bytes / cp_sync_med / gb:5.2f} GB/s")
     print(f"  dsv4 convert    {ours_med:6.2f} s  {source_bytes / ours_med / gb:5.2f} GB/s "

@@ -12,6 +12,7 @@ source pages never count in our RSS).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -272,14 +273,24 @@ class Checkpoint:
             for projection, _role in PROJECTIONS
         ]
 
-    def read_into(self, entry: TensorEntry, out: np.ndarray) -> np.ndarray:
-        """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
-        fd = self._fds.get(entry.shard)
+    def _fd(self, shard: Path) -> int:
+        fd = self._fds.get(shard)
         if fd is None:
             with self._fd_lock:  # verify reads from several threads
-                fd = self._fds.get(entry.shard)
+                fd = self._fds.get(shard)
                 if fd is None:
-                    fd = self._fds[entry.shard] = os.open(entry.shard, os.O_RDONLY)
+                    fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+        return fd
+
+    def prefetch(self, entry: TensorEntry) -> None:
+        """Ask the kernel to read a tensor ahead, so the next pread does not wait on disk."""
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(self._fd(entry.shard), entry.offset, entry.nbytes,
+                             os.POSIX_FADV_WILLNEED)
+
+    def read_into(self, entry: TensorEntry, out: np.ndarray) -> np.ndarray:
+        """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
+        fd = self._fd(entry.shard)
         view = memoryview(out.reshape(-1))[: entry.nbytes]
         done = 0
         while done < entry.nbytes:
