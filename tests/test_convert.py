@@ -286,22 +286,31 @@ def test_cli_error_is_one_line_with_exit_2(checkpoint: Path, tmp_path: Path) -> 
 # --- interruption and full disks ------------------------------------------------------------
 
 
-def test_sigkill_mid_layer_leaves_no_final_file_and_rerun_is_identical(tmp_path: Path) -> None:
-    dims = MoeDims(layers=1, experts=32, experts_per_token=6, hidden=2048, intermediate=1024)
-    source = write_synthetic_checkpoint(tmp_path / "ckpt", dims, seed=3)
-    ws = tmp_path / "ws"
-    final = ws / "gguf" / FILE.format(0)
-    tmp = final.with_name(final.name + ".tmp")
+MID_SIZE = MoeDims(layers=1, experts=32, experts_per_token=6, hidden=2048, intermediate=1024)
+
+
+def signal_mid_layer(ws: Path, source: Path, sig: signal.Signals) -> int:
+    """Start a conversion, send `sig` once the layer's temp file exists; its exit status."""
+    tmp = ws / "gguf" / (FILE.format(0) + ".tmp")
     proc = subprocess.Popen([*CLI, "-w", str(ws), "convert", "--source", str(source), "-j", "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
         while not tmp.exists() and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.0005)
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(sig)
     finally:
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "the conversion ended before it could be killed"
+        proc.wait(timeout=60)
+    return proc.returncode
+
+
+def test_sigkill_mid_layer_leaves_no_final_file_and_rerun_is_identical(tmp_path: Path) -> None:
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", MID_SIZE, seed=3)
+    ws = tmp_path / "ws"
+    final = ws / "gguf" / FILE.format(0)
+    tmp = final.with_name(final.name + ".tmp")
+    code = signal_mid_layer(ws, source, signal.SIGKILL)
+    assert code == -signal.SIGKILL, "the conversion ended before it could be killed"
     assert tmp.exists() and not final.exists()
 
     result = run_cli("-w", str(ws), "convert", "--source", str(source))
@@ -310,6 +319,14 @@ def test_sigkill_mid_layer_leaves_no_final_file_and_rerun_is_identical(tmp_path:
     reference = convert.run(make_ctx(tmp_path / "ref", source=str(source), jobs=1))
     assert reference.status is Status.OK
     assert sha256(final) == sha256(tmp_path / "ref" / "gguf" / FILE.format(0))
+
+
+def test_ctrl_c_mid_layer_cleans_up_and_exits_130(tmp_path: Path) -> None:
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", MID_SIZE, seed=4)
+    ws = tmp_path / "ws"
+    code = signal_mid_layer(ws, source, signal.SIGINT)
+    assert code == 130, "the conversion ended before Ctrl-C reached it"
+    assert not list((ws / "gguf").iterdir())  # neither the final file nor its .tmp
 
 
 @contextlib.contextmanager
