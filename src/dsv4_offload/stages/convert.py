@@ -130,8 +130,9 @@ def _write_behind(fd: int, data: memoryview, offset: int) -> None:
 
 def _disk_error(exc: OSError, path: Path, need: int) -> Dsv4Error:
     if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        size = f"{need / 1e9:.2f} GB" if need >= 10**7 else f"{need} B"
         return DiskFullError(
-            f"{path}: {exc.strerror} while writing a {need / 1e9:.2f} GB layer; nothing was "
+            f"{path}: {exc.strerror} while writing a {size} layer file; nothing was "
             "left at the final name: free space there or pass --gguf-dir on a bigger disk"
         )
     return Dsv4Error(f"{path}: {exc.strerror}; check the GGUF directory is writable")
