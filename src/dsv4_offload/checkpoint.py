@@ -291,7 +291,7 @@ class Checkpoint:
     def read_into(self, entry: TensorEntry, out: np.ndarray) -> np.ndarray:
         """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
         fd = self._fd(entry.shard)
-        view = memoryview(out.reshape(-1))[: entry.nbytes]
+        view = out.reshape(-1).data[: entry.nbytes]
         done = 0
         while done < entry.nbytes:
             n = os.preadv(fd, [view[done:]], entry.offset + done)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import contextlib
 import errno
+import functools
 import multiprocessing
 import os
 import queue
@@ -187,6 +188,8 @@ def convert_layer(source: Path, layout: Any, final: Path,
                 try:
                     _preallocate(fd, size)
                     _pwrite_all(fd, memoryview(layout.header), 0)
+                    if report is not None:
+                        report(len(layout.header))
                     i = 0
                     ahead = iter([pair for _p, pairs in entries for pair in pairs][1:])
                     for tensor, (_projection, pairs) in zip(layout.tensors, entries, strict=True):
@@ -201,7 +204,7 @@ def convert_layer(source: Path, layout: Any, final: Path,
                             scale = ckpt.read_into(s_entry, s_buf)
                             out = out_buf[: tensor.expert_bytes]
                             repacker.repack_into(weight, scale, out)
-                            pending[slot] = writer.submit(_write_behind, fd, memoryview(out),
+                            pending[slot] = writer.submit(_write_behind, fd, out.data,
                                                           tensor.expert_offset(expert))
                             if report is not None:
                                 report(tensor.expert_bytes)
@@ -315,7 +318,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
                 try:
                     layer, nbytes = progress_queue.get(timeout=0.2)
                     if layer not in bars.layers:
-                        bars.open(layer, futures_layout(futures, layer).file_bytes)
+                        bars.open(layer, _layout_of(futures, layer).file_bytes)
                     bars.advance(layer, nbytes)
                 except queue.Empty:
                     pass
@@ -329,7 +332,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
     return outcomes
 
 
-def futures_layout(futures: dict[Any, Any], layer: int) -> Any:
+def _layout_of(futures: dict[Any, Any], layer: int) -> Any:
     return next(layout for layout in futures.values() if layout.layer == layer)
 
 
@@ -420,7 +423,7 @@ def run(ctx: StageContext) -> StageResult:
                 bars.open(layout.layer, layout.file_bytes)
                 layer = layout.layer
                 outcomes.append(convert_layer(source, layout, final,
-                                              lambda n, layer=layer: bars.advance(layer, n)))
+                                              functools.partial(bars.advance, layer)))
                 bars.finish(layer)
         else:
             outcomes = _run_parallel(jobs, work, source, bars)

@@ -198,7 +198,7 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
         w_buf = np.empty(max(w.nbytes for _p, ps in entries for w, _s in ps), np.uint8)
         s_buf = np.empty(max(s.nbytes for _p, ps in entries for _w, s in ps), np.uint8)
         repacker = mxfp4.Repacker()  # one per thread: it owns scratch buffers
-        diffs = []
+        diffs: list[tuple[int, int, Any, Any]] = []
         for t_index, (tensor, (_proj, pairs)) in enumerate(
                 zip(layout.tensors, entries, strict=True)):
             for expert in range(lo, hi):
