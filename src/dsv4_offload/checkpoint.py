@@ -279,7 +279,11 @@ class Checkpoint:
             with self._fd_lock:  # verify reads from several threads
                 fd = self._fds.get(shard)
                 if fd is None:
-                    fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+                    try:
+                        fd = self._fds[shard] = os.open(shard, os.O_RDONLY)
+                    except OSError as exc:
+                        raise InputError(f"{shard}: cannot open ({exc.strerror}); {REFETCH}"
+                                         ) from None
         return fd
 
     def prefetch(self, entry: TensorEntry) -> None:
@@ -294,7 +298,13 @@ class Checkpoint:
         view = out.reshape(-1).data[: entry.nbytes]
         done = 0
         while done < entry.nbytes:
-            n = os.preadv(fd, [view[done:]], entry.offset + done)
+            try:
+                n = os.preadv(fd, [view[done:]], entry.offset + done)
+            except OSError as exc:
+                raise InputError(
+                    f"{entry.shard}: read error in '{entry.name}' ({exc.strerror}); check the "
+                    f"disk, then {REFETCH}"
+                ) from None
             if n == 0:
                 raise InputError(
                     f"{entry.shard}: truncated while reading '{entry.name}' (shrank during the "

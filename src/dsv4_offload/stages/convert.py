@@ -161,9 +161,6 @@ def _fsync_dir(path: Path) -> None:
 def convert_layer(source: Path, layout: Any, final: Path,
                   report: Callable[[int], None] | None = None) -> LayerOutcome:
     """Write one layer file from the checkpoint at `source`; atomic at `final`."""
-    import numpy as np
-
-    from dsv4_offload import mxfp4
     from dsv4_offload.checkpoint import Checkpoint
 
     t0 = time.monotonic()
@@ -173,66 +170,74 @@ def convert_layer(source: Path, layout: Any, final: Path,
         if ckpt.dims != layout.dims:
             raise InputError(f"{source}: config.json changed during the conversion; rerun")
         entries = ckpt.layer_tensors(layout.layer)
-        max_w = max(w.nbytes for _p, pairs in entries for w, _s in pairs)
-        max_s = max(s.nbytes for _p, pairs in entries for _w, s in pairs)
-        max_out = max(t.expert_bytes for t in layout.tensors)
-        # two buffer sets: the write of one expert overlaps the read + repack of the next
-        slots = [(np.empty(max_w, np.uint8), np.empty(max_s, np.uint8),
-                  np.empty(max_out, np.uint8)) for _ in range(2)]
-        repacker = mxfp4.Repacker()
-        pending: list[cf.Future[None] | None] = [None, None]
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
-            with cf.ThreadPoolExecutor(1, thread_name_prefix="gguf-write") as writer:
-                try:
-                    _preallocate(fd, size)
-                    _pwrite_all(fd, memoryview(layout.header), 0)
-                    if report is not None:
-                        report(len(layout.header))
-                    i = 0
-                    ahead = iter([pair for _p, pairs in entries for pair in pairs][1:])
-                    for tensor, (_projection, pairs) in zip(layout.tensors, entries, strict=True):
-                        for expert, (w_entry, s_entry) in enumerate(pairs):
-                            for entry in next(ahead, ()):  # the next expert, while we work
-                                ckpt.prefetch(entry)
-                            slot = i % 2
-                            if pending[slot] is not None:
-                                pending[slot].result()  # type: ignore[union-attr]
-                            w_buf, s_buf, out_buf = slots[slot]
-                            weight = ckpt.read_into(w_entry, w_buf)
-                            scale = ckpt.read_into(s_entry, s_buf)
-                            out = out_buf[: tensor.expert_bytes]
-                            repacker.repack_into(weight, scale, out)
-                            pending[slot] = writer.submit(_write_behind, fd, out.data,
-                                                          tensor.expert_offset(expert))
-                            if report is not None:
-                                report(tensor.expert_bytes)
-                            i += 1
-                    for future in pending:
-                        if future is not None:
-                            future.result()
-                finally:
-                    for future in pending:
-                        if future is not None:
-                            future.cancel()
-            if os.fstat(fd).st_size != size:
-                raise Dsv4Error(f"{tmp}: wrote {os.fstat(fd).st_size} B, expected {size} B")
-            os.fsync(fd)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         except OSError as exc:
-            os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
             raise _disk_error(exc, final, size) from None
-        except BaseException:
-            os.close(fd)
+        try:
+            try:
+                _preallocate(fd, size)
+                _pwrite_all(fd, memoryview(layout.header), 0)
+                if report is not None:
+                    report(len(layout.header))
+                _stream_experts(ckpt, entries, layout, fd, report)
+                written = os.fstat(fd).st_size
+                if written != size:
+                    raise Dsv4Error(f"{tmp}: {written} B after writing, expected {size} B")
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except BaseException as exc:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+            if isinstance(exc, OSError):
+                raise _disk_error(exc, final, size) from None
             raise
-        os.close(fd)
     os.replace(tmp, final)
     _fsync_dir(final.parent)
     return LayerOutcome(layout.layer, str(final), size, time.monotonic() - t0)
+
+
+def _stream_experts(ckpt: Any, entries: list[Any], layout: Any, fd: int,
+                    report: Callable[[int], None] | None) -> None:
+    """Read, repack and write every expert of the layer, in file order."""
+    import numpy as np
+
+    from dsv4_offload import mxfp4
+
+    max_w = max(w.nbytes for _p, pairs in entries for w, _s in pairs)
+    max_s = max(s.nbytes for _p, pairs in entries for _w, s in pairs)
+    max_out = max(t.expert_bytes for t in layout.tensors)
+    # two buffer sets: the write of one expert overlaps the read + repack of the next
+    slots = [(np.empty(max_w, np.uint8), np.empty(max_s, np.uint8), np.empty(max_out, np.uint8))
+             for _ in range(2)]
+    repacker = mxfp4.Repacker()
+    pending: list[cf.Future[None] | None] = [None, None]
+    ahead = iter([pair for _p, pairs in entries for pair in pairs][1:])
+    # leaving the with-block waits for a write in flight: the fd stays open until then
+    with cf.ThreadPoolExecutor(1, thread_name_prefix="gguf-write") as writer:
+        i = 0
+        for tensor, (_projection, pairs) in zip(layout.tensors, entries, strict=True):
+            for expert, (w_entry, s_entry) in enumerate(pairs):
+                for entry in next(ahead, ()):  # the next expert, while we work on this one
+                    ckpt.prefetch(entry)
+                slot = i % 2
+                previous = pending[slot]
+                if previous is not None:
+                    previous.result()
+                w_buf, s_buf, out_buf = slots[slot]
+                weight = ckpt.read_into(w_entry, w_buf)
+                scale = ckpt.read_into(s_entry, s_buf)
+                out = out_buf[: tensor.expert_bytes]
+                repacker.repack_into(weight, scale, out)
+                pending[slot] = writer.submit(_write_behind, fd, out.data,
+                                              tensor.expert_offset(expert))
+                if report is not None:
+                    report(tensor.expert_bytes)
+                i += 1
+        for future in pending:
+            if future is not None:
+                future.result()
 
 
 # --- worker processes ----------------------------------------------------------------------
@@ -397,7 +402,11 @@ def run(ctx: StageContext) -> StageResult:
                            data={**base, "converted": []}, outputs=outputs)
 
     need = sum(layout.file_bytes for layout, _final in work)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{out_dir}: cannot create it ({exc.strerror}); pass --gguf-dir "
+                         "on a writable disk") from None
     for layout, final in work:
         if 0 < _size(final) != layout.file_bytes:
             final.unlink()  # an incomplete file must not sit at a final name, even for a while
