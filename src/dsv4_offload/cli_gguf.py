@@ -30,6 +30,7 @@ def convert(
 ) -> None:
     """The native MXFP4 experts into one GGUF file per layer (a lossless bit repack).
 
+    \b
     1. Read the dims from the source's config.json and check every expert tensor of the
        chosen layers (index, shards, dtypes, shapes, sizes) before writing anything.
     2. Skip layers whose file exists with the exact expected size (unless --force);
@@ -57,6 +58,7 @@ def verify_gguf(
 ) -> None:
     """Prove the layer files: sizes and structure, digests, bit-exact against the source.
 
+    \b
     1. Level 1: every file present with the exact size; its header read back with the
        gguf reader (magic, version, KV, tensor names, type 39, dims, offsets).
     2. Level 2: sha256 of every file (read once, in parallel) against --manifest, else
