@@ -289,10 +289,11 @@ def test_cli_error_is_one_line_with_exit_2(checkpoint: Path, tmp_path: Path) -> 
 MID_SIZE = MoeDims(layers=1, experts=32, experts_per_token=6, hidden=2048, intermediate=1024)
 
 
-def signal_mid_layer(ws: Path, source: Path, sig: signal.Signals) -> int:
+def signal_mid_layer(ws: Path, source: Path, sig: signal.Signals, jobs: int = 1) -> int:
     """Start a conversion, send `sig` once the layer's temp file exists; its exit status."""
     tmp = ws / "gguf" / (FILE.format(0) + ".tmp")
-    proc = subprocess.Popen([*CLI, "-w", str(ws), "convert", "--source", str(source), "-j", "1"],
+    proc = subprocess.Popen([*CLI, "-w", str(ws), "convert", "--source", str(source),
+                             "-j", str(jobs)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 60
@@ -327,6 +328,18 @@ def test_ctrl_c_mid_layer_cleans_up_and_exits_130(tmp_path: Path) -> None:
     code = signal_mid_layer(ws, source, signal.SIGINT)
     assert code == 130, "the conversion ended before Ctrl-C reached it"
     assert not list((ws / "gguf").iterdir())  # neither the final file nor its .tmp
+
+
+def test_ctrl_c_reaches_parallel_workers(tmp_path: Path) -> None:
+    dims = MoeDims(layers=2, experts=32, experts_per_token=6, hidden=2048, intermediate=1024)
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", dims, seed=5)
+    ws = tmp_path / "ws"
+    code = signal_mid_layer(ws, source, signal.SIGINT, jobs=2)  # to the parent only
+    assert code == 130, "the conversion ended before Ctrl-C reached it"
+    left = list((ws / "gguf").iterdir())
+    assert not [p for p in left if p.suffix == ".tmp"], left
+    expected = LayerLayout.for_layer(0, dims, load_recipe_and_series(None)[0].conversion)
+    assert all(p.stat().st_size == expected.file_bytes for p in left)  # finished ones only
 
 
 @contextlib.contextmanager

@@ -243,11 +243,16 @@ def _stream_experts(ckpt: Any, entries: list[Any], layout: Any, fd: int,
 # --- worker processes ----------------------------------------------------------------------
 
 _progress_queue: Any = None
+_stop: Any = None
 
 
-def _init_worker(progress_queue: Any) -> None:
-    global _progress_queue
-    _progress_queue = progress_queue
+def _init_worker(progress_queue: Any, stop: Any) -> None:
+    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert."""
+    import signal
+
+    global _progress_queue, _stop
+    _progress_queue, _stop = progress_queue, stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
 
 
@@ -268,6 +273,8 @@ def _worker(source: str, layout: Any, final: str) -> LayerOutcome:
     layer = layout.layer
 
     def report(nbytes: int) -> None:
+        if _stop.is_set():
+            raise KeyboardInterrupt  # convert_layer removes its temp file on the way out
         _progress_queue.put((layer, nbytes))
 
     return convert_layer(Path(source), layout, Path(final), report)
@@ -310,10 +317,10 @@ class _Bars:
 def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
                   bars: _Bars) -> list[LayerOutcome]:
     mp = multiprocessing.get_context("spawn")  # fork is unsafe beside the progress thread
-    progress_queue = mp.Queue()
+    progress_queue, stop = mp.Queue(), mp.Event()
     outcomes: list[LayerOutcome] = []
     with cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=_init_worker,
-                                initargs=(progress_queue,)) as pool:
+                                initargs=(progress_queue, stop)) as pool:
         futures = {}
         for layout, final in work:
             futures[pool.submit(_worker, str(source), layout, str(final))] = layout
@@ -332,6 +339,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
                     outcomes.append(future.result())  # the first failure raises here
                     bars.finish(futures[future].layer)
         except BaseException:
+            stop.set()  # running layers stop at their next expert and clean up
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     return outcomes
