@@ -212,3 +212,24 @@ def test_deep_layers_are_evenly_spaced() -> None:
     assert verify_gguf.deep_layers(list(range(43)), 1) == [21]
     assert verify_gguf.deep_layers([3, 5], 9) == [3, 5]
     assert verify_gguf.deep_layers([3, 5], 0) == []
+
+
+@pytest.mark.slow  # hashes 3.4 GB (of a hole): ~10 s here
+def test_real_dims_are_checked_against_the_published_digests(tmp_path: Path) -> None:
+    """A real-size layer file (header + a hole) passes level 1 and fails the recipe's digest."""
+    recipe, _ = load_recipe_and_series(None)
+    real = MoeDims(43, 256, 6, 4096, 2048)
+    layout0 = LayerLayout.for_layer(0, real, recipe.conversion)
+    path = tmp_path / "gguf" / FILE.format(0)
+    path.parent.mkdir()
+    with open(path, "wb") as fh:
+        fh.write(layout0.header)
+        fh.truncate(layout0.file_bytes)
+    result = verify_gguf.run(make_ctx(tmp_path, source=str(tmp_path / "no-source"), layers="0"))
+    assert result.data["levels"] == {"1": "ok", "2": "failed", "3": "skipped"}
+    messages = [(p.severity, p.message) for p in result.problems]
+    assert messages[0][0] == "error" and messages[0][1].startswith(
+        f"layer 0: {FILE.format(0)} sha256 ")
+    assert "88e06863d0d6290d" in messages[0][1] and "conversion.digests" in messages[0][1]
+    assert messages[1] == ("warning", f"level 3: no source checkpoint at "
+                           f"{tmp_path / 'no-source'} to compare with")
