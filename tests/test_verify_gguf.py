@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -52,8 +53,6 @@ def layout(layer: int) -> LayerLayout:
 
 
 def good_manifest(tmp_path: Path, pristine: Path) -> Path:
-    import hashlib
-
     lines = [f"{hashlib.sha256(p.read_bytes()).hexdigest()}  {p.name}\n"
              for p in sorted(pristine.glob("*.gguf"))]
     path = tmp_path / "published.sha256"
@@ -233,3 +232,32 @@ def test_real_dims_are_checked_against_the_published_digests(tmp_path: Path) -> 
     assert "88e06863d0d6290d" in messages[0][1] and "conversion.digests" in messages[0][1]
     assert messages[1] == ("warning", f"level 3: no source checkpoint at "
                            f"{tmp_path / 'no-source'} to compare with")
+
+
+def test_a_fetched_delivery_manifest_must_agree_with_the_recipe(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series(None)
+    conv = recipe.conversion
+    text = "".join(f"{d}  {conv.file_name(k)}\n" for k, d in sorted(conv.digests.items()))
+    manifest = conv.digests_manifest
+    assert manifest is not None
+
+    def ctx_with(content: str) -> StageContext:
+        pin = hashlib.sha256(content.encode()).hexdigest()
+        recipe2, series = load_recipe_and_series(
+            None, [f"conversion.digests_manifest.sha256={pin}"])
+        ctx = StageContext(recipe=recipe2, series=series, workspace=Workspace(tmp_path),
+                           options={}, stage="verify-gguf")
+        path = ctx.workspace.source_dir(recipe2, manifest.source) / manifest.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(content)
+        return ctx
+
+    assert verify_gguf.check_delivery_manifest(ctx_with(text)) is not None
+    wrong = text.replace(conv.digests[7], "0" * 64)
+    with pytest.raises(InputError, match=r"conversion.digests\[7\] is c9f4045ef7f3d520… but"):
+        verify_gguf.check_delivery_manifest(ctx_with(wrong))
+    ctx = ctx_with(text)
+    path = ctx.workspace.source_dir(ctx.recipe, manifest.source) / manifest.path
+    path.write_text(text + "\n")  # modified after the pin
+    with pytest.raises(InputError, match="delivery checkout is modified"):
+        verify_gguf.check_delivery_manifest(ctx)

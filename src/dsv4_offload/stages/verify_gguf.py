@@ -130,12 +130,47 @@ def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
         return parse_manifest(text, str(path)), str(path)
     conv = ctx.recipe.conversion
     if real_dims and conv.digests:
+        check_delivery_manifest(ctx)
         return {names[k]: v for k, v in conv.digests.items() if k in names}, \
             "the recipe's published digests (conversion.digests)"
     own = read_own_manifest(out_dir)
     if own is not None:
         return own, str(out_dir / OWN_MANIFEST)
     return None, "no published digests for these dims and no manifest"
+
+
+def check_delivery_manifest(ctx: StageContext) -> Path | None:
+    """If the delivery's manifest has been fetched, it must agree with the inline digests.
+
+    The recipe carries the 43 digests itself (usable before `fetch`); when the pinned
+    manifest file is in the workspace too, a disagreement means the recipe was edited
+    wrongly, and which one to trust is the user's call.
+    """
+    from dsv4_offload.gguf_io import parse_manifest
+
+    conv = ctx.recipe.conversion
+    pinned = conv.digests_manifest
+    if pinned is None:
+        return None
+    path = ctx.workspace.source_dir(ctx.recipe, pinned.source) / pinned.path
+    try:
+        raw = path.read_bytes()
+    except OSError:
+        return None  # not fetched: the inline digests stand alone
+    if hashlib.sha256(raw).hexdigest() != pinned.sha256:
+        raise InputError(
+            f"{path}: sha256 differs from conversion.digests_manifest.sha256 in the recipe; "
+            "the delivery checkout is modified: rerun `dsv4-offload fetch --force`"
+        )
+    published = parse_manifest(raw.decode("utf-8", "replace"), str(path))
+    for layer, digest in sorted(conv.digests.items()):
+        name = conv.file_name(layer)
+        if published.get(name) != digest:
+            raise InputError(
+                f"recipe conversion.digests[{layer}] is {digest[:16]}… but the delivery's "
+                f"{path.name} says {str(published.get(name))[:16]}… for {name}; fix the recipe"
+            )
+    return path
 
 
 # --- level 3 -------------------------------------------------------------------------------
