@@ -169,10 +169,22 @@ def test_level3_catches_two_swapped_experts(workspace: Path, checkpoint: Path) -
     assert errors[1].endswith("it holds expert 2's data (experts out of order)")
 
 
-def test_explicit_deep_without_source_is_an_error(workspace: Path, tmp_path: Path) -> None:
-    result = verify_gguf.run(make_ctx(workspace, source=str(tmp_path / "nowhere"), deep=1))
-    # without the source's config.json the recipe's (real) dims apply: the small files fail L1
+def test_without_a_source_the_recipe_dims_apply(workspace: Path, tmp_path: Path) -> None:
+    result = verify_gguf.run(make_ctx(workspace, source=str(tmp_path / "nowhere")))
+    # no config.json to read: the recipe's (real) dims apply, and the small files fail L1
     assert result.status is Status.FAILED and result.data["levels"] == {"1": "failed"}
+    assert "is 26688 B, expected 3422552640 B (truncated)" in result.problems[0].message
+
+
+@pytest.mark.parametrize("deep, severity", [(None, "warning"), (2, "error")])
+def test_level3_without_a_source(tmp_path: Path, deep: int | None, severity: str) -> None:
+    report = verify_gguf.Report()
+    layouts = {layer: layout(layer) for layer in range(3)}
+    paths = {layer: tmp_path / FILE.format(layer) for layer in range(3)}
+    ctx = make_ctx(tmp_path, source=str(tmp_path / "nowhere"), deep=deep)
+    verify_gguf._level3(ctx, layouts, paths, None, 1, report)
+    assert report.levels == {"3": "skipped"}
+    assert [(p.severity, p.check) for p in report.problems] == [(severity, "level3")]
 
 
 def test_rewritten_layers_leave_our_manifest(workspace: Path, checkpoint: Path) -> None:

@@ -302,7 +302,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> StageResult:
-    from dsv4_offload.checkpoint import CONFIG_FILE, Checkpoint, parse_config
+    from dsv4_offload.checkpoint import CONFIG_FILE, parse_config
     from dsv4_offload.gguf_io import LayerLayout, recipe_dims, write_own_manifest
 
     conv = ctx.recipe.conversion
@@ -324,75 +324,82 @@ def run(ctx: StageContext) -> StageResult:
     report.data.update(gguf_dir=str(out_dir), layers=layers, dims=dims.as_dict(),
                        dims_from=str(source / CONFIG_FILE) if has_source else "recipe")
 
-    # level 1
     check_files(layouts, paths, report)
     report.levels["1"] = "failed" if report.failed else "ok"
     if report.failed:
         return _result(report, f"level 1 failed for {len(layers)} layer file(s) in {out_dir}")
-
-    # level 2
     expected, origin = expected_digests(ctx, names, real_dims, out_dir)
-    total = sum(layouts[layer].file_bytes for layer in layers)
+    digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report)
+    _level3(ctx, layouts, paths, source if has_source else None, jobs, report)
+    if report.failed:
+        return _result(report, f"verification failed ({_levels_text(report)})")
+    manifest = write_own_manifest(out_dir, digests)
+    report.data["manifest"] = str(manifest)
+    return _result(report, f"{len(layers)} layer file(s) verified ({_levels_text(report)}); "
+                   f"digests in {manifest}")
+
+
+def _level2(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
+            names: dict[int, str], expected: dict[str, str] | None, origin: str, jobs: int,
+            report: Report) -> dict[str, str]:
+    """Hash every file once (in parallel) and compare; returns file name -> digest."""
+    total = sum(layout.file_bytes for layout in layouts.values())
     t0 = time.monotonic()
     with ctx.task("verify: sha256", total, "B") as task:
-        digests = hash_files([paths[layer] for layer in layers], jobs, task.advance)
+        digests = hash_files([paths[layer] for layer in layouts], jobs, task.advance)
     seconds = time.monotonic() - t0
-    by_name = {names[layer]: digests[paths[layer]] for layer in layers}
+    by_name = {names[layer]: digests[paths[layer]] for layer in layouts}
     report.data.update(digests=by_name, digest_source=origin,
                        sha256_gb_per_s=round(total / max(seconds, 1e-9) / 1e9, 3))
     if expected is None:
         report.levels["2"] = "recorded"
         report.warn(f"level 2: {origin}; the digests were computed and recorded only",
                     "pass --manifest FILE to check against known digests", "level2")
-    else:
-        for layer in layers:
-            want = expected.get(names[layer])
-            got = by_name[names[layer]]
-            if want is None:
-                report.error(f"layer {layer}: {origin} has no digest for {names[layer]}",
-                             "give a manifest that lists every layer file", "level2")
-            elif want != got:
-                report.error(f"layer {layer}: {names[layer]} sha256 {got[:16]}… differs from "
-                             f"{want[:16]}… ({origin}): the file is corrupt or was built from "
-                             "another source", f"{_redo(layer)}; `verify-gguf --deep` with "
-                             f"`--layers {layer}` shows where it differs", "level2")
-        report.levels["2"] = "failed" if report.failed else "ok"
+        return by_name
+    for layer in layouts:
+        want, got = expected.get(names[layer]), by_name[names[layer]]
+        if want is None:
+            report.error(f"layer {layer}: {origin} has no digest for {names[layer]}",
+                         "give a manifest that lists every layer file", "level2")
+        elif want != got:
+            report.error(f"layer {layer}: {names[layer]} sha256 {got[:16]}… differs from "
+                         f"{want[:16]}… ({origin}): the file is corrupt or was built from "
+                         "another source", f"{_redo(layer)}; `verify-gguf --deep` with "
+                         f"`--layers {layer}` shows where it differs", "level2")
+    report.levels["2"] = "failed" if report.failed else "ok"
+    return by_name
 
-    # level 3
+
+def _level3(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
+            source: Path | None, jobs: int, report: Report) -> None:
+    """Compare --deep N evenly spaced layers bit for bit with the repacked source."""
+    from dsv4_offload.checkpoint import Checkpoint
+
     deep_option = ctx.option("deep")
-    count = 1 if deep_option is None else int(deep_option)
-    chosen = deep_layers(layers, count)
-    if chosen and not has_source:
+    chosen = deep_layers(list(layouts), 1 if deep_option is None else int(deep_option))
+    report.levels["3"] = "skipped"
+    if not chosen:
+        return
+    if source is None:
+        # without --deep, a missing source only weakens the check; asked for, it fails it
         (report.error if deep_option is not None else report.warn)(
-            f"level 3: no source checkpoint at {source} to compare with",
+            f"level 3: no source checkpoint at {source_dir(ctx)} to compare with",
             "pass --source DIR (the native MXFP4 checkpoint) or --deep 0", "level3")
-        report.levels["3"] = "skipped"
-        chosen = []
-    if chosen:
-        deep_bytes = sum(layouts[layer].file_bytes - layouts[layer].data_offset
-                         for layer in chosen)
-        t0 = time.monotonic()
-        differing = 0
-        with Checkpoint.open(source) as ckpt, ctx.task("verify: bit-exact", deep_bytes,
-                                                        "B") as task:
-            for layer in chosen:
-                for text in compare_with_source(paths[layer], layouts[layer], ckpt, jobs,
-                                                task.advance):
-                    report.error(text, _redo(layer), "level3")
-                    differing += 1
-        seconds = time.monotonic() - t0
-        report.levels["3"] = "failed" if differing else "ok"
-        report.data.update(deep_layers=chosen,
-                           deep_gb_per_s=round(deep_bytes / max(seconds, 1e-9) / 1e9, 3))
-    elif "3" not in report.levels:
-        report.levels["3"] = "skipped"
-
-    if report.failed:
-        return _result(report, f"verification failed ({_levels_text(report)})")
-    manifest = write_own_manifest(out_dir, by_name)
-    report.data["manifest"] = str(manifest)
-    return _result(report, f"{len(layers)} layer file(s) verified ({_levels_text(report)}); "
-                   f"digests in {manifest}")
+        return
+    deep_bytes = sum(layouts[layer].file_bytes - layouts[layer].data_offset for layer in chosen)
+    t0 = time.monotonic()
+    differing = 0
+    with Checkpoint.open(source) as ckpt, ctx.task("verify: bit-exact", deep_bytes,
+                                                    "B") as task:
+        for layer in chosen:
+            for text in compare_with_source(paths[layer], layouts[layer], ckpt, jobs,
+                                            task.advance):
+                report.error(text, _redo(layer), "level3")
+                differing += 1
+    seconds = time.monotonic() - t0
+    report.levels["3"] = "failed" if differing else "ok"
+    report.data.update(deep_layers=chosen,
+                       deep_gb_per_s=round(deep_bytes / max(seconds, 1e-9) / 1e9, 3))
 
 
 def _levels_text(report: Report) -> str:
