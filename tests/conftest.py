@@ -76,3 +76,11 @@ def isolated_git_config(tmp_path_factory: pytest.TempPathFactory):  # type: igno
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
+
+
+@pytest.fixture
+def no_leftovers(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A tag for the server processes a test starts; none may remain afterwards."""
+    from serve_helpers import leftover_guard
+
+    yield from leftover_guard(tmp_path)

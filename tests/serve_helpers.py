@@ -81,7 +81,7 @@ def leftovers(tag: str) -> list[psutil.Process]:
 def leftover_guard(tmp_path: Path) -> Iterator[str]:
     """A tag for the processes a test starts; afterwards none may remain (they are killed).
 
-    Test modules wrap it in their own `no_leftovers` fixture.
+    The `no_leftovers` fixture (conftest.py) wraps it.
     """
     tag = str(tmp_path)
     yield tag

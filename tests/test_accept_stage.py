@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from serve_helpers import (
     context,
     free_port,
-    leftover_guard,
     leftovers,
     make_workspace,
     standin_overrides,
@@ -20,11 +18,6 @@ from serve_helpers import (
 from dsv4_offload import supervisor as sv
 from dsv4_offload.stage import Status
 from dsv4_offload.stages import accept, serve
-
-
-@pytest.fixture
-def no_leftovers(tmp_path: Path) -> Iterator[str]:
-    yield from leftover_guard(tmp_path)
 
 
 def _serve_then_accept(tmp_path: Path, tag: str, *args: str, **accept_options):

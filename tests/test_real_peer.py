@@ -14,12 +14,11 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from conftest import run_cli
-from serve_helpers import free_port, leftover_guard, leftovers, make_workspace
+from serve_helpers import free_port, leftovers, make_workspace
 
 pytestmark = pytest.mark.slow
 
@@ -126,11 +125,6 @@ def scrambled_copy(model: Path, dest: Path, seed: int = 5) -> Path:
             fh.seek(offset)
             fh.write(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
     return dest
-
-
-@pytest.fixture
-def no_leftovers(tmp_path: Path) -> Iterator[str]:
-    yield from leftover_guard(tmp_path)
 
 
 def _serve_and_accept(tmp_path: Path, tag: str, python: Path, model: Path):

@@ -8,20 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
 import requests
 from conftest import run_cli
-from serve_helpers import free_port, leftover_guard, leftovers, make_workspace, standin_overrides
+from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
-
-
-@pytest.fixture
-def no_leftovers(tmp_path: Path) -> Iterator[str]:
-    yield from leftover_guard(tmp_path)
 
 
 def host_env(name: str) -> dict[str, str]:

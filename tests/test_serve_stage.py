@@ -7,7 +7,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ import requests
 from serve_helpers import (
     context,
     free_port,
-    leftover_guard,
     leftovers,
     make_workspace,
     standin_overrides,
@@ -24,11 +22,6 @@ from serve_helpers import (
 from dsv4_offload import supervisor as sv
 from dsv4_offload.stage import Status
 from dsv4_offload.stages import serve
-
-
-@pytest.fixture
-def no_leftovers(tmp_path: Path) -> Iterator[str]:
-    yield from leftover_guard(tmp_path)
 
 
 def _serve(tmp_path: Path, tag: str, *args: str, timeout: float = 20, **options):
