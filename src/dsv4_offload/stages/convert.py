@@ -205,12 +205,9 @@ def _stream_experts(ckpt: Any, entries: list[Any], layout: Any, fd: int,
 
     from dsv4_offload import mxfp4
 
-    max_w = max(w.nbytes for _p, pairs in entries for w, _s in pairs)
-    max_s = max(s.nbytes for _p, pairs in entries for _w, s in pairs)
     max_out = max(t.expert_bytes for t in layout.tensors)
-    # two buffer sets: the write of one expert overlaps the read + repack of the next
-    slots = [(np.empty(max_w, np.uint8), np.empty(max_s, np.uint8), np.empty(max_out, np.uint8))
-             for _ in range(2)]
+    # two output buffers: the write of one expert overlaps the repack of the next
+    slots = [np.empty(max_out, np.uint8) for _ in range(2)]
     repacker = mxfp4.Repacker()
     pending: list[cf.Future[None] | None] = [None, None]
     ahead = iter([pair for _p, pairs in entries for pair in pairs][1:])
@@ -225,11 +222,11 @@ def _stream_experts(ckpt: Any, entries: list[Any], layout: Any, fd: int,
                 previous = pending[slot]
                 if previous is not None:
                     previous.result()
-                w_buf, s_buf, out_buf = slots[slot]
-                weight = ckpt.read_into(w_entry, w_buf)
-                scale = ckpt.read_into(s_entry, s_buf)
-                out = out_buf[: tensor.expert_bytes]
-                repacker.repack_into(weight, scale, out)
+                out = slots[slot][: tensor.expert_bytes]
+                # mapped, not read: the repack reads the page cache directly (one copy less)
+                with ckpt.mapped(w_entry) as weight, ckpt.mapped(s_entry) as scale:
+                    repacker.repack_into(weight, scale, out)
+                    del weight, scale  # let the maps close
                 pending[slot] = writer.submit(_write_behind, fd, out.data,
                                               tensor.expert_offset(expert))
                 if report is not None:

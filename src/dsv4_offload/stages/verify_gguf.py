@@ -230,8 +230,6 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
     def compare_range(lo: int, hi: int) -> list[tuple[int, int, Any, Any]]:
         max_out = max(t.expert_bytes for t in layout.tensors)
         got_buf, want_buf = np.empty(max_out, np.uint8), np.empty(max_out, np.uint8)
-        w_buf = np.empty(max(w.nbytes for _p, ps in entries for w, _s in ps), np.uint8)
-        s_buf = np.empty(max(s.nbytes for _p, ps in entries for _w, s in ps), np.uint8)
         repacker = mxfp4.Repacker()  # one per thread: it owns scratch buffers
         diffs: list[tuple[int, int, Any, Any]] = []
         for t_index, (tensor, (_proj, pairs)) in enumerate(
@@ -241,8 +239,9 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
                 got = got_buf[: tensor.expert_bytes]
                 want = want_buf[: tensor.expert_bytes]
                 _pread_into(fd, got, tensor.expert_offset(expert))
-                repacker.repack_into(ckpt.read_into(w_entry, w_buf),
-                                     ckpt.read_into(s_entry, s_buf), want)
+                with ckpt.mapped(w_entry) as weight, ckpt.mapped(s_entry) as scale:
+                    repacker.repack_into(weight, scale, want)
+                    del weight, scale  # let the maps close
                 if not _equal(got, want) and len(diffs) < MAX_DIFFS_PER_LAYER:
                     diffs.append((t_index, expert, got.copy(), want.copy()))
                 if advance is not None:
