@@ -315,27 +315,6 @@ class Checkpoint:
             with contextlib.suppress(BufferError):  # a view still referenced: freed with it
                 region.close()
 
-    def read_into(self, entry: TensorEntry, out: np.ndarray) -> np.ndarray:
-        """Read a tensor's bytes into the uint8 buffer `out` (≥ nbytes); returns the filled view."""
-        fd = self._fd(entry.shard)
-        view = out.reshape(-1).data[: entry.nbytes]
-        done = 0
-        while done < entry.nbytes:
-            try:
-                n = os.preadv(fd, [view[done:]], entry.offset + done)
-            except OSError as exc:
-                raise InputError(
-                    f"{entry.shard}: read error in '{entry.name}' ({exc.strerror}); check the "
-                    f"disk, then {REFETCH}"
-                ) from None
-            if n == 0:
-                raise InputError(
-                    f"{entry.shard}: truncated while reading '{entry.name}' (shrank during the "
-                    f"conversion?); {REFETCH}"
-                )
-            done += n
-        return out.reshape(-1)[: entry.nbytes]
-
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
