@@ -155,13 +155,19 @@ def test_server_exiting_before_ready_shows_its_last_lines(tmp_path, no_leftovers
     assert any("boom" in line for line in result.data["tail"])
 
 
-def test_fingerprint_changes_when_the_server_dies(tmp_path, no_leftovers):
+def test_serve_is_done_while_the_server_is_up_and_stale_once_it_dies(tmp_path, no_leftovers):
+    from dsv4_offload import pipeline
+
     ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", detach=True)
-    before = serve.fingerprint_inputs(ctx)
-    serve.run(ctx)
-    assert serve.fingerprint_inputs(ctx) == before  # started: `serve` stays done
+    assert serve.fingerprint_inputs(ctx) == {"server": "never started"}
+    result = pipeline.run_stage(ctx, "serve", dict(ctx.options))
+    assert result.ok, result.as_dict()
+    state = ctx.workspace.read_state()
+    status = pipeline.stage_status(ctx, pipeline.spec("serve"), state)
+    assert status.state == "done", status  # started: `serve` stays done
     sv.stop_recorded(ctx.workspace.serve_record, 3)
-    assert serve.fingerprint_inputs(ctx) != before  # stopped: `run` starts it again
+    status = pipeline.stage_status(ctx, pipeline.spec("serve"), state)
+    assert status.state == "stale" and "input.server" in status.reason  # `run` restarts it
 
 
 def test_kml_library_goes_first_on_the_library_path_when_present(tmp_path, no_leftovers):

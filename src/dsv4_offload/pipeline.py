@@ -230,8 +230,6 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         )
     sub = _sub_context(ctx, name, options)
     ws = ctx.workspace
-    state = ws.read_state()
-    fp = fingerprint(sub, stage, state)
     started = now_iso()
     t0 = time.monotonic()
     # a running record replaces any earlier 'done': a killed rerun must not look finished
@@ -255,6 +253,9 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result
+    # taken after the run: a stage may declare inputs that its own work settles (the
+    # serve stage's "is the server up"); recipe fields and upstream records cannot change
+    fp = fingerprint(sub, stage, ws.read_state())
     ws.write_stage_record(name, {
         "status": "done", "started": started, "ended": now_iso(),
         "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,

@@ -73,12 +73,13 @@ def ladder(start: int, rungs: list[int]) -> list[int]:
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
-    # A server that died since makes `serve` stale, so `run` starts it again. The value
-    # is the same before a first start and while the server runs, because the pipeline
-    # takes the fingerprint before the stage runs.
+    # A server that died since makes `serve` stale, so `run` starts it again (the pipeline
+    # records this after the stage ran, i.e. with the server up).
     record = sv.read_record(ctx.workspace.serve_record)
-    if record is None or sv.record_alive(record):
-        return {"server": "up or never started"}
+    if record is None:
+        return {"server": "never started"}
+    if sv.record_alive(record):
+        return {"server": "up"}
     return {"server": f"{record.state} (exit code {record.exit_code})"}
 
 
