@@ -1,11 +1,13 @@
 """Benchmark: one real-size MXFP4 layer through `convert` and `verify-gguf`, against coreutils.
 
-Usage: .venv/bin/python bench/bench_convert.py [--dir DIR] [--repeats N] [--warm] [--keep]
+Usage: .venv/bin/python bench/bench_convert.py [--dir DIR] [--repeats N] [--warmup N]
+                                              [--warm] [--keep]
 
 1. Writes a synthetic native checkpoint of one real-size layer (256 experts, hidden 4096,
    moe intermediate 2048: 3.27 GB of I8 + F8_E8M0 tensors) under a temp dir.
 2. Conversion: `cp SHARD DIR && sync FILE` against our converter (fsync included) in a
-   child process, alternating, median of --repeats; the child's peak RSS from wait4.
+   child process, alternating, median of --repeats after --warmup untimed rounds (the
+   first round is always the slowest, for both); the child's peak RSS from wait4.
    The source shard is evicted from the page cache before each run (cold, as in reality;
    --warm keeps it cached, which favours cp: it then does one in-kernel copy).
 3. Level 2: sha256 of the same files with `sha256sum` against ours (hashlib, files in
@@ -61,6 +63,14 @@ def timed(args: list[str]) -> tuple[float, int]:
     return (float(inner) if inner else seconds), usage.ru_maxrss * 1024
 
 
+def flush(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def evict(path: Path) -> None:
     """Drop one file from the page cache (not the whole cache: the machine is shared).
 
@@ -79,6 +89,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dir", default=None, help="where to put the ~10 GB of temp files")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     parser.add_argument("--keep", action="store_true", help="keep the temp files")
     parser.add_argument("--warm", action="store_true",
                         help="leave the source in the page cache (default: evict it per run)")
@@ -96,18 +107,19 @@ def main() -> None:
     print(f"bench dir {base}; cores {os.cpu_count()}; load average at start "
           f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
     try:
-        run(base, args.repeats, args.warm)
+        run(base, args.repeats, args.warm, args.warmup)
     finally:
         if not args.keep:
             shutil.rmtree(base, ignore_errors=True)
     print(f"load average at end {', '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
-def run(base: Path, repeats: int, warm: bool) -> None:
+def run(base: Path, repeats: int, warm: bool, warmup: int) -> None:
     dims = REAL_LAYER
     t0 = time.perf_counter()
     source = write_synthetic_checkpoint(base / "DeepSeek-V4-Flash", dims, seed=1)
     shard = next(source.glob("*.safetensors"))
+    flush(shard)  # its writeback must not land in the first measured round
     source_bytes = shard.stat().st_size
     print(f"wrote the synthetic layer: {source_bytes / 1e9:.2f} GB in "
           f"{time.perf_counter() - t0:.1f} s")
@@ -117,7 +129,7 @@ def run(base: Path, repeats: int, warm: bool) -> None:
     copy = base / "copy.safetensors"
 
     cp_s, cp_sync_s, ours_s, rss = [], [], [], []
-    for _ in range(repeats):
+    for round_ in range(warmup + repeats):
         copy.unlink(missing_ok=True)
         if not warm:
             evict(shard)
@@ -133,6 +145,10 @@ def run(base: Path, repeats: int, warm: bool) -> None:
                                *(str(getattr(dims, k)) for k in
                                  ("layers", "experts", "experts_per_token", "hidden",
                                   "intermediate"))])
+        if round_ < warmup:  # the first round here is always slow, for cp and for us
+            print(f"warm-up round: cp + sync {cp_sync_s.pop():.2f} s, convert {seconds:.2f} s")
+            cp_s.pop()
+            continue
         ours_s.append(seconds)
         rss.append(peak)
     cp_med, cp_sync_med, ours_med = (statistics.median(x) for x in (cp_s, cp_sync_s, ours_s))
