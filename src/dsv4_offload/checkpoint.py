@@ -288,7 +288,7 @@ class Checkpoint:
         return fd
 
     def prefetch(self, entry: TensorEntry) -> None:
-        """Ask the kernel to read a tensor ahead, so the next pread does not wait on disk."""
+        """Ask the kernel to read a tensor ahead, so mapping it next does not wait on disk."""
         with contextlib.suppress(OSError, AttributeError):
             os.posix_fadvise(self._fd(entry.shard), entry.offset, entry.nbytes,
                              os.POSIX_FADV_WILLNEED)

@@ -4,7 +4,7 @@
    tensor of the selected layers (names, dtypes, shapes, shard sizes) before writing.
 2. Skip layers whose final file exists with the exact expected size (unless --force).
 3. Check free disk for the rest, then convert `--jobs` layers at once (processes). Each
-   layer streams expert by expert: pread the native bytes, repack them into 17-byte
+   layer streams expert by expert: map the native bytes, repack them into 17-byte
    blocks, pwrite them into a preallocated `<name>.tmp`; fsync; rename. A killed run
    leaves at most a `.tmp`, never a partial file at a final name.
 """
