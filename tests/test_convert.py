@@ -378,3 +378,23 @@ def test_file_size_limit_mid_layer_is_a_clean_error(checkpoint: Path, tmp_path: 
     assert "File too large" in proc.stderr and "nothing was left at the final name" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not list((ws / "gguf").glob("*.gguf*")), list((ws / "gguf").iterdir())
+
+
+def test_keys_with_a_model_prefix_convert_the_same(checkpoint: Path, converted: Path,
+                                                   tmp_path: Path) -> None:
+    prefixed = tmp_path / "ckpt"
+    prefixed.mkdir()
+    shutil.copy(checkpoint / "config.json", prefixed / "config.json")
+    weight_map = {}
+    for layer in range(DIMS.layers):
+        shard = f"layer{layer}.safetensors"
+        specs = [TensorSpec("model." + s.name, s.dtype, s.shape, s.data)
+                 for s in synthetic_layer_tensors(DIMS, layer)]
+        write_safetensors(prefixed / shard, specs)
+        weight_map.update({s.name: shard for s in specs})
+    (prefixed / INDEX_FILE).write_text(json.dumps({"weight_map": weight_map}))
+    result = convert.run(make_ctx(tmp_path / "ws", source=str(prefixed), jobs=1))
+    assert result.status is Status.OK
+    for layer in range(DIMS.layers):
+        name = FILE.format(layer)
+        assert sha256(tmp_path / "ws" / "gguf" / name) == sha256(converted / name)

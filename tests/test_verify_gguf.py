@@ -273,3 +273,21 @@ def test_a_fetched_delivery_manifest_must_agree_with_the_recipe(tmp_path: Path) 
     path.write_text(text + "\n")  # modified after the pin
     with pytest.raises(InputError, match="delivery checkout is modified"):
         verify_gguf.check_delivery_manifest(ctx)
+
+
+def test_a_file_that_is_not_gguf_fails_the_structure_check(workspace: Path,
+                                                           checkpoint: Path) -> None:
+    path = workspace / "gguf" / FILE.format(1)
+    data = bytearray(path.read_bytes())
+    data[:4] = b"GGML"
+    path.write_bytes(bytes(data))
+    result = verify_gguf.run(make_ctx(workspace, source=str(checkpoint), deep=0))
+    assert result.data["levels"] == {"1": "failed"}
+    assert [p.message.split(" (")[0] for p in result.problems] == [
+        f"layer 1: {FILE.format(1)}: not a readable GGUF file"]
+
+
+def test_an_unreadable_manifest_is_an_input_error(workspace: Path, checkpoint: Path) -> None:
+    with pytest.raises(InputError, match="--manifest .*missing.sha256: No such file"):
+        verify_gguf.run(make_ctx(workspace, source=str(checkpoint),
+                                 manifest=str(workspace / "missing.sha256")))
