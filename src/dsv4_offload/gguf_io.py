@@ -247,19 +247,19 @@ def write_own_manifest(gguf_dir: Path, digests: dict[str, str]) -> Path:
 
 def forget_manifest_entries(gguf_dir: Path, names: list[str]) -> None:
     """Drop rewritten files from our manifest: it must only vouch for verified bytes."""
+    from dsv4_offload.workspace import atomic_write_bytes
+
     path = gguf_dir / OWN_MANIFEST
-    try:
-        current = parse_manifest(path.read_text(encoding="utf-8"), str(path))
-    except (FileNotFoundError, InputError):
-        current = {}
     if not path.exists():
         return
-    kept = {k: v for k, v in current.items() if k not in set(names)}
-    if kept == current and current:
+    try:
+        current = parse_manifest(path.read_text(encoding="utf-8"), str(path))
+    except InputError:
+        current = {}  # a damaged manifest of ours vouches for nothing: it goes
+    kept = {name: digest for name, digest in current.items() if name not in names}
+    if current and kept == current:
         return
     if kept:
-        from dsv4_offload.workspace import atomic_write_bytes
-
         atomic_write_bytes(path, format_manifest(kept).encode())
     else:
         path.unlink()
