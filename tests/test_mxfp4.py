@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import shutil
+import subprocess
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -116,3 +119,40 @@ def test_nan_exponent_and_mismatched_shapes() -> None:
     assert np.isnan(mxfp4.dequantize_native(weight, np.array([[255]], np.uint8))).all()
     with pytest.raises(ValueError, match="disagree"):
         mxfp4.repack_into(weight, np.zeros((1, 2), np.uint8), np.empty(34, np.uint8))
+
+
+CROSS_CC, QEMU = "aarch64-linux-gnu-gcc", "qemu-aarch64"
+REPACK_MAIN = r"""
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+void dsv4_mxfp4_repack(const uint8_t *codes, const uint8_t *scales, uint8_t *out, size_t n);
+int main(int argc, char **argv) {
+    size_t n = (size_t)atol(argv[1]);
+    uint8_t *codes = malloc(16 * n), *scales = malloc(n), *out = malloc(17 * n);
+    if (fread(codes, 1, 16 * n, stdin) != 16 * n || fread(scales, 1, n, stdin) != n) return 2;
+    dsv4_mxfp4_repack(codes, scales, out, n);
+    fwrite(out, 1, 17 * n, stdout);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which(CROSS_CC) is None or shutil.which(QEMU) is None,
+                    reason="needs gcc-aarch64-linux-gnu and qemu-user")
+def test_compiled_repack_gives_the_same_bytes_on_aarch64(tmp_path: Path) -> None:
+    """The Kunpeng host builds the same C file: check it on an emulated Cortex-A76."""
+    main = tmp_path / "main.c"
+    main.write_text(REPACK_MAIN)
+    binary = tmp_path / "repack"
+    subprocess.run([CROSS_CC, "-O3", "-static", "-o", str(binary), str(main),
+                    str(mxfp4.KERNEL_SOURCE)], check=True, capture_output=True)
+    rng = np.random.default_rng(3)
+    weight = rng.integers(0, 256, (12, 48), dtype=np.uint8)
+    scale = rng.integers(0, 256, (12, 3), dtype=np.uint8)
+    ran = subprocess.run([QEMU, "-cpu", "cortex-a76", str(binary), str(scale.size)],
+                         input=weight.tobytes() + scale.tobytes(), capture_output=True,
+                         check=True, timeout=60)
+    want = np.empty(scale.size * 17, np.uint8)
+    mxfp4.Repacker(native=False).repack_into(weight, scale, want)
+    assert ran.stdout == want.tobytes()
