@@ -4,7 +4,8 @@ The native checkpoint stores, per row, K/2 bytes of E2M1 codes in *consecutive* 
 (byte i: low nibble = element 2i, high nibble = element 2i+1) and K/32 E8M0 exponents.
 A GGUF MXFP4 block (type 39) is 17 bytes: the E8M0 byte verbatim, then 16 bytes in
 *half-block* order (byte j: low nibble = element j, high nibble = element j+16).
-Everything here is vectorized numpy on uint8/uint64 views; nothing is quantized.
+The repack is vectorized numpy on uint8/uint64 views, or the same algebra as a small C
+loop when a compiler is at hand (see below); nothing is quantized.
 """
 
 from __future__ import annotations
@@ -45,11 +46,6 @@ _FOUR = np.uint64(4)
 def block_row_bytes(k: int) -> int:
     """Bytes of one GGUF row of K elements (K/32 blocks of 17 bytes)."""
     return k // BLOCK_ELEMENTS * BLOCK_BYTES
-
-
-def check_row_length(k: int, what: str) -> None:
-    if k <= 0 or k % BLOCK_ELEMENTS:
-        raise ValueError(f"{what}: K = {k} is not a positive multiple of {BLOCK_ELEMENTS}")
 
 
 # --- the compiled loop (optional) ----------------------------------------------------------
