@@ -256,16 +256,19 @@ def _command_name(args: list[str]) -> str:
     return " ".join(words)
 
 
-def _click_exception_types() -> tuple[tuple[type, ...], tuple[type, ...], tuple[type, ...]]:
+_ExcTypes = tuple[type[BaseException], ...]
+
+
+def _click_exception_types() -> tuple[_ExcTypes, _ExcTypes, _ExcTypes]:
     """Usage-error, abort and exit exception types: click's and typer's bundled copies.
 
     typer >= 0.20 vendors its own click, whose exceptions are not click's classes.
     """
     import typer.core
 
-    usage: list[type] = []
-    aborts: list[type] = [typer.core.Abort]
-    exits: list[type] = [typer.core.Exit]
+    usage: list[type[BaseException]] = []
+    aborts: list[type[BaseException]] = [typer.core.Abort]
+    exits: list[type[BaseException]] = [typer.core.Exit]
     try:
         from typer._click import exceptions as vendored
 
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
         rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
-    except (*aborts, KeyboardInterrupt):
+    except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
         sys.stderr.write("interrupted\n")
         sys.exit(int(ExitCode.INTERRUPTED))
     except usage_errors as exc:
