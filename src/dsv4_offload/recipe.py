@@ -446,7 +446,11 @@ def _no_duplicates(values: list[Any], where: str, field: str) -> None:
 # --- loading -------------------------------------------------------------------------------
 
 
-class _LineLoader(yaml.SafeLoader):
+# libyaml's parser is ~10x faster than the pure-Python one (status and --help read recipes)
+_SafeLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class _LineLoader(_SafeLoader):  # type: ignore[misc,valid-type]
     """A YAML loader that remembers the line of every mapping key and sequence item."""
 
 
