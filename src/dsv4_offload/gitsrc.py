@@ -387,16 +387,18 @@ def dirty_files(repo_dir: Path) -> list[str]:
     return [line[3:] for line in out.splitlines() if line.strip()]
 
 
-def patch_commits(repo_dir: Path, base: str) -> list[tuple[str, str]]:
-    """``(commit, patch name or '')`` for each commit in ``base..HEAD``, oldest first."""
-    fmt = f"%H%x1f%(trailers:key={PATCH_TRAILER},valueonly,separator=%x2c)%x1e"
-    out = git_text(repo_dir, "log", "--reverse", f"--format={fmt}", f"{base}..HEAD")
+def patch_commits(repo_dir: Path, base: str,
+                  keys: Sequence[str] = (PATCH_TRAILER,)) -> list[list[str]]:
+    """``[commit, value of each trailer in keys or '']`` for each commit in ``base..HEAD``,
+    oldest first."""
+    fields = "%x1f".join(f"%(trailers:key={k},valueonly,separator=%x2c)" for k in keys)
+    out = git_text(repo_dir, "log", "--reverse", f"--format=%H%x1f{fields}%x1e", f"{base}..HEAD")
+    width = 1 + len(keys)
     rows = []
     for record in out.split("\x1e"):
-        record = record.strip()
-        if record:
-            commit, _, name = record.partition("\x1f")
-            rows.append((commit.strip(), name.strip()))
+        if record.strip():
+            parts = [p.strip() for p in record.split("\x1f")]
+            rows.append((parts + [""] * width)[:width])
     return rows
 
 

@@ -275,15 +275,7 @@ class AppliedRecord:
 def applied_records(repo_dir: Path, base: str) -> list[AppliedRecord]:
     """Commits in ``base..HEAD``, oldest first, with their series trailers ('' if none)."""
     keys = (TRAILER_NAME, TRAILER_SHA, TRAILER_SOURCE)
-    fields = "%x1f".join(f"%(trailers:key={k},valueonly,separator=%x2c)" for k in keys)
-    out = gitsrc.git_text(repo_dir, "log", "--reverse", f"--format=%H%x1f{fields}%x1e",
-                          f"{base}..HEAD")
-    rows = []
-    for record in out.split("\x1e"):
-        if record.strip():
-            parts = [p.strip() for p in record.split("\x1f")]
-            rows.append(AppliedRecord(*(parts + [""] * 4)[:4]))
-    return rows
+    return [AppliedRecord(*row) for row in gitsrc.patch_commits(repo_dir, base, keys)]
 
 
 # --- apply ---------------------------------------------------------------------------------
