@@ -275,3 +275,21 @@ def test_fingerprint_follows_the_host_and_names_the_area(monkeypatch: pytest.Mon
     changed = {k for k in first if first[k] != bad[k]}
     assert changed == {"host.npu", "host.devices", "host.toolchain"}
     assert all(isinstance(v, str) and len(v) == 16 for v in bad.values())
+
+
+def test_a_doctor_run_probes_the_host_once(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    from dsv4_offload import pipeline
+
+    host = HOSTS / "kunpeng920-910b"
+    use_host(monkeypatch, host)
+    calls = tmp_path / "npu-smi-calls"
+    monkeypatch.setenv("DSV4_NPU_SMI", f"sh -c 'echo x >> {calls}; cat {host}/npu-smi-info.txt'")
+    ctx = context(tmp_path)
+    result = pipeline.run_stage(ctx, "doctor", {})
+    assert result.status is Status.OK, result.problems
+    assert calls.read_text().splitlines() == ["x"]  # the recorded fingerprint reused the facts
+    record = ctx.workspace.read_state()["stages"]["doctor"]
+    assert record["status"] == "done"
+    assert record["fingerprint"]["input.host.npu"] == doctor.fingerprint_inputs(
+        context(tmp_path))["host.npu"]

@@ -386,6 +386,9 @@ def run(ctx: StageContext) -> StageResult:
     """Probe the host, check it against the recipe, write reports/doctor.json."""
     with ctx.task("probing the host"):
         facts = probe(ctx)
+    # the pipeline takes the fingerprint from a copy of these options right after the run:
+    # it reuses these facts instead of running npu-smi and every --version a second time
+    ctx.options["host_facts"] = facts
     checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx))
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
@@ -425,7 +428,7 @@ def _digest(value: Any) -> str:
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Digests of the host facts doctor judges, minus what moves by itself (free memory,
     free disk, HBM in use), so a changed host makes doctor stale and names the area."""
-    f = probe(ctx)
+    f = ctx.options.get("host_facts") or probe(ctx)
     return {
         "host.cpu": _digest([f.arch, sorted(f.cpu_flags), f.cores, f.cpu_model]),
         "host.numa": _digest(f.numa_cpulists),
