@@ -74,10 +74,10 @@ def parse_layers(spec: str | None, count: int) -> list[int]:
 
 def mem_available_bytes(meminfo: str) -> int | None:
     """MemAvailable from /proc/meminfo text, in bytes."""
-    for line in meminfo.splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    return None
+    from dsv4_offload.host import parse_meminfo
+
+    kib = parse_meminfo(meminfo).get("MemAvailable")
+    return None if kib is None else kib * 1024
 
 
 def default_jobs(layers_todo: int) -> int:
@@ -388,11 +388,7 @@ def run(ctx: StageContext) -> StageResult:
     skipped, work = [], []
     for layer in layers:
         final = out_dir / conv.file_name(layer)
-        try:
-            done = final.stat().st_size == layouts[layer].file_bytes
-        except FileNotFoundError:
-            done = False
-        if done and not force:
+        if _size(final) == layouts[layer].file_bytes and not force:
             skipped.append(layer)
         else:
             work.append((layouts[layer], final))
