@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
 
@@ -198,6 +200,28 @@ def test_fetch_recovers_from_a_checkout_interrupted_half_way(
     assert not partial.exists()
     assert git(ws / "src/main", "rev-parse", "HEAD") == upstreams.commits["main"]
     assert sorted(p.name for p in (ws / "src").iterdir()) == ["delivery", "main"]
+
+
+def test_fetch_failed_checkout_leaves_no_partial_repository(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    project = write_project(tmp_path / "p", upstreams, upstreams.good)
+    ws = tmp_path / "ws"
+    shim = tmp_path / "shim"
+    shim.mkdir()
+    (shim / "git").write_text(f"""#!/bin/sh
+case " $* " in
+  *" checkout "*) echo "fatal: checkout refused by the test" >&2; exit 1 ;;
+esac
+exec "{shutil.which("git")}" "$@"
+""")
+    (shim / "git").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
+    code, doc = run_cli(project.cli(ws) + ["fetch"], capsys)
+    assert code != 0, doc
+    assert "checkout refused" in json.dumps(doc)
+    assert list(ws.rglob("*.dsv4-partial")) == []
+    assert not (ws / "src" / "main").exists()
 
 
 def test_progress_reads_bytes_from_git_output() -> None:

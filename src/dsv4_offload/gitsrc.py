@@ -458,18 +458,22 @@ def create_checkout(path: Path, source: Source, log: Path) -> None:
     if work.exists():  # left by an interrupted run; the name is ours alone
         shutil.rmtree(work)
     work.parent.mkdir(parents=True, exist_ok=True)
-    run_command(["git", "init", "-q", str(work)], log=log, env=env)
-    # by ref name, not SHA: a user's protocol.version=0 would refuse a bare SHA even locally
-    run_command(["git", "fetch", "-q", "--no-tags", "--depth", "1", str(cache),
-                 f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=work, env=env)
-    run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.commit],
-                log=log, cwd=work, env=env)
-    git_ok(work, "remote", "add", "origin", source.url)
-    head = head_commit(work)
-    if head != source.commit:
-        raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.commit}; "
-                        "the cache may be corrupt: move it aside and rerun", log=str(log))
-    os.rename(work, path)  # replaces an empty directory (a gitlink placeholder) atomically
+    try:
+        run_command(["git", "init", "-q", str(work)], log=log, env=env)
+        # by ref name, not SHA: a user's protocol.version=0 would refuse a bare SHA even locally
+        run_command(["git", "fetch", "-q", "--no-tags", "--depth", "1", str(cache),
+                     f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=work, env=env)
+        run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.commit],
+                    log=log, cwd=work, env=env)
+        git_ok(work, "remote", "add", "origin", source.url)
+        head = head_commit(work)
+        if head != source.commit:
+            raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.commit}; "
+                            "the cache may be corrupt: move it aside and rerun", log=str(log))
+        os.rename(work, path)  # replaces an empty directory (a gitlink placeholder) atomically
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)  # a failed checkout leaves nothing behind
+        raise
 
 
 def checkout_order(recipe: Recipe) -> list[Source]:
