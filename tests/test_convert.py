@@ -283,6 +283,13 @@ def test_cli_error_is_one_line_with_exit_2(checkpoint: Path, tmp_path: Path) -> 
     assert len(result.err.strip().splitlines()) == 1
 
 
+def test_synthetic_shard_with_wrong_data_leaves_no_temp_file(tmp_path: Path) -> None:
+    bad = TensorSpec("t", "I8", (4,), lambda: b"abc")
+    with pytest.raises(ValueError, match="data is 3 B, expected 4"):
+        write_safetensors(tmp_path / "shard.safetensors", [bad])
+    assert list(tmp_path.iterdir()) == []
+
+
 # --- interruption and full disks ------------------------------------------------------------
 
 

@@ -356,15 +356,18 @@ def write_safetensors(path: Path, tensors: Iterable[TensorSpec]) -> None:
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for spec in specs:
-            blob = spec.data()
-            if len(blob) != spec.nbytes:
-                raise ValueError(f"{spec.name}: data is {len(blob)} B, expected {spec.nbytes}")
-            fh.write(blob)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)))
+            fh.write(raw)
+            for spec in specs:
+                blob = spec.data()
+                if len(blob) != spec.nbytes:
+                    raise ValueError(f"{spec.name}: data is {len(blob)} B, expected {spec.nbytes}")
+                fh.write(blob)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)  # only there when writing failed
 
 
 def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterator[TensorSpec]:

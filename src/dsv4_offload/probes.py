@@ -406,9 +406,12 @@ def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: 
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        fig.savefig(tmp, dpi=100)
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)  # only there when saving failed
     return path
 
 
