@@ -150,6 +150,14 @@ def test_longest_prompt_option_reaches_the_argv_with_a_note(ws: Workspace):
     assert any("10000" in n for n in plan.notes)
 
 
+def test_a_chunk_capped_by_max_prefill_tokens_says_so(ws: Workspace):
+    recipe = load_recipe(None, ["serve.max_prefill_tokens=4096"])
+    plan = build_plan(recipe, host(), ws, base_env={})
+    assert plan.argv[plan.argv.index("--chunked-prefill-size") + 1] == "4096"
+    assert plan.notes == ["chunked prefill lowered from 8192 to 4096: "
+                          "serve.max_prefill_tokens is 4096"]
+
+
 def test_weight_path_keeps_layer_idx_literal_and_every_layer_must_exist(ws: Workspace):
     recipe = load_recipe()
     plan = build_plan(recipe, host(), ws, base_env={})

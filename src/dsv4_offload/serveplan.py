@@ -243,9 +243,12 @@ def build_plan(
     notes: list[str] = []
     pools, threads = cpu_threads(s, host.numa_nodes, host.cores)
     chunk = chunked_prefill(s, longest_prompt)
-    if chunk != s.chunked_prefill_size:
+    if chunk > s.chunked_prefill_size:  # only --longest-prompt can exceed the recipe's chunk
         notes.append(f"chunked prefill raised from {s.chunked_prefill_size} to {chunk} to cover "
                      f"a {longest_prompt}-token prompt")
+    elif chunk < s.chunked_prefill_size:
+        notes.append(f"chunked prefill lowered from {s.chunked_prefill_size} to {chunk}: "
+                     f"serve.max_prefill_tokens is {s.max_prefill_tokens}")
     experts = s.kt_num_gpu_experts if gpu_experts is None else gpu_experts
     mode, mode_reason = nsa_compressor_mode(s.nsa_compressor_mode, host.cann_version)
     dev, dev_reason = pick_device(host.npus, device, base_env.get("ASCEND_RT_VISIBLE_DEVICES"),
