@@ -32,7 +32,7 @@ from typing import Any
 
 from dsv4_offload.errors import InputError
 from dsv4_offload.recipe import BuildStep, Recipe
-from dsv4_offload.runner import CommandFailed, failure_excerpt, run_command
+from dsv4_offload.runner import failure_excerpt, run_command
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 from dsv4_offload.workspace import Workspace, read_json
 
@@ -150,7 +150,8 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     }
     for source in ctx.recipe.sources:
         if source.patched:
-            out[f"head.{source.name}"] = git_head(ctx.workspace.root / source.path) or "missing"
+            head = git_head(ctx.workspace.source_dir(ctx.recipe, source.name))
+            out[f"head.{source.name}"] = head or "missing"
     return out
 
 
@@ -283,7 +284,7 @@ def run(ctx: StageContext) -> StageResult:
                 check="git-hooks"))
     data["git_hooks"] = sorted(_hooks(hooks_dir))  # all of them, also from earlier builds
     failed = [r for r in reports if r.status == "failed"]
-    outputs = _outputs(ctx, python, reports)
+    outputs = _outputs(ctx, python, reports, previous)
     not_built = [s.name for s in ctx.recipe.build.steps
                  if not s.optional and s.name not in outputs["steps"]]
     if not failed and not_built:
@@ -307,9 +308,9 @@ def _previous_outputs(ctx: StageContext) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _outputs(ctx: StageContext, python: str, reports: list[StepReport]) -> dict[str, Any]:
-    """What serve depends on; steps not run this time keep their earlier record."""
-    previous = _previous_outputs(ctx)
+def _outputs(ctx: StageContext, python: str, reports: list[StepReport],
+             previous: dict[str, Any]) -> dict[str, Any]:
+    """What serve depends on; steps not run this time keep their ``previous`` record."""
     known = {s.name for s in ctx.recipe.build.steps}
     steps: dict[str, Any] = {}
     if previous.get("python") == python:  # steps built by another interpreter do not count
@@ -470,13 +471,12 @@ def check_import(python: str, module: str, pythonpath: list[Path], env: dict[str
     env = dict(env)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    try:
-        result = run_command([python, "-c", f"import {module}"], log=log, env=env, check=True,
-                             timeout=300)
-    except CommandFailed as exc:
-        lines = [x for x in exc.result.tail if x.strip()]
-        return lines[-1].strip() if lines else f"exit code {exc.result.returncode}"
-    return None if result.returncode == 0 else f"exit code {result.returncode}"
+    result = run_command([python, "-c", f"import {module}"], log=log, env=env, check=False,
+                         timeout=300)
+    if result.returncode == 0:
+        return None
+    lines = [x for x in result.tail if x.strip()]
+    return lines[-1].strip() if lines else f"exit code {result.returncode}"
 
 
 def link_kt_kernel_package(kt_kernel_dir: Path) -> None:
@@ -485,13 +485,11 @@ def link_kt_kernel_package(kt_kernel_dir: Path) -> None:
     link = kt_kernel_dir / name
     if not (kt_kernel_dir / target).is_dir():
         return  # not this layout: the import check will say what is wrong
-    if link.is_symlink() and os.readlink(link) == target:
-        return
-    if link.exists() or link.is_symlink():
-        if link.is_symlink():
-            link.unlink()
-        else:
-            return  # a real directory someone made: leave it alone
+    if link.is_symlink():
+        if os.readlink(link) == target:
+            return
+    elif link.exists():
+        return  # a real directory someone made: leave it alone
     tmp = kt_kernel_dir / f".{name}.link-tmp"
     if tmp.is_symlink():
         tmp.unlink()
