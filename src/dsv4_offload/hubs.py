@@ -262,11 +262,16 @@ def _silence_modelscope_bars() -> Callable[[], None]:
 # --- local copies --------------------------------------------------------------------------
 
 
+def hf_download_dir(local_dir: Path) -> Path:
+    """Where huggingface_hub keeps its notes and partial files for a ``local_dir`` download."""
+    return local_dir / ".cache" / "huggingface" / "download"
+
+
 def client_metadata_paths(hub: str, local_dir: Path, path: str) -> list[Path]:
     """Files a client keeps beside a local copy; removing them forces a clean re-fetch."""
     if hub == "huggingface":
         # partial files are not listed here: fetch() drops huggingface_hub's stale ones
-        base = local_dir / ".cache" / "huggingface" / "download" / path
+        base = hf_download_dir(local_dir) / path
         return [base.with_name(base.name + ".metadata")]
     return []
 
@@ -278,22 +283,22 @@ def forget_local_copy(hub: str, local_dir: Path, path: str) -> None:
             p.unlink()
 
 
-def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    h = hashlib.sha256()
+def _hash_file(h: Any, path: Path, on_bytes: Callable[[int], None] | None) -> str:
     with open(path, "rb") as fh:
         while chunk := fh.read(HASH_CHUNK):
             h.update(chunk)
             if on_bytes:
                 on_bytes(len(chunk))
-    return h.hexdigest()
+    return str(h.hexdigest())
 
 
-def git_blob_oid(path: Path) -> str:
-    h = hashlib.sha1(f"blob {path.stat().st_size}\0".encode())  # git blob id, not security
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    return _hash_file(hashlib.sha256(), path, on_bytes)
+
+
+def git_blob_oid(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
+    # git blob id, not security
+    return _hash_file(hashlib.sha1(f"blob {path.stat().st_size}\0".encode()), path, on_bytes)
 
 
 def check_content(local: Path, expected: HubFile,
@@ -310,9 +315,7 @@ def check_content(local: Path, expected: HubFile,
         if got != expected.sha256.lower():
             return f"sha256 {got[:12]}…, the hub lists {expected.sha256[:12]}…"
     elif expected.git_oid:
-        got = git_blob_oid(local)
-        if on_bytes:
-            on_bytes(size)
+        got = git_blob_oid(local, on_bytes)
         if got != expected.git_oid:
             return f"git blob id {got[:12]}…, the hub lists {expected.git_oid[:12]}…"
     return None
@@ -381,7 +384,7 @@ def drop_stale_partials(local_dir: Path) -> list[Path]:
     resumes a plain-HTTP partial (Xet-backed repos resume by chunk in hf_xet's cache), so
     leftovers only waste disk. The workspace lock makes sure no other run is writing them.
     """
-    root = local_dir / ".cache" / "huggingface" / "download"
+    root = hf_download_dir(local_dir)
     stale = sorted(root.rglob("*.incomplete")) if root.is_dir() else []
     for p in stale:
         with contextlib.suppress(FileNotFoundError):
@@ -391,7 +394,7 @@ def drop_stale_partials(local_dir: Path) -> list[Path]:
 
 def partial_bytes(hub: str, local_dir: Path) -> int:
     """Bytes sitting in the client's partial downloads under ``local_dir`` (for progress)."""
-    root = local_dir / ".cache" / "huggingface" / "download" if hub == "huggingface" else local_dir
+    root = hf_download_dir(local_dir) if hub == "huggingface" else local_dir
     total = 0
     for p in root.rglob("*.incomplete") if root.is_dir() else ():
         with contextlib.suppress(OSError):
