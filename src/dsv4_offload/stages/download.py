@@ -302,9 +302,7 @@ def check_structure_only(ctx: StageContext, name: str, local_dir: Path, record_p
             "error", f"{name}: {len(bad)} shard(s) missing or truncated in {local_dir}: "
             f"{_sample(bad)}", fix=no_record, check=name))
         return report
-    files = [hubs.HubFile(p.relative_to(local_dir).as_posix(), p.stat().st_size)
-             for p in sorted(local_dir.rglob("*")) if p.is_file()
-             and not any(part.startswith(".") for part in p.relative_to(local_dir).parts)]
+    files = [hubs.HubFile(rel, (local_dir / rel).stat().st_size) for rel in _local_files(local_dir)]
     report.listing = hubs.HubListing(spec.hub, spec.repo_id, spec.revision, None, "local",
                                      files)
     report.problems.append(Problem(
@@ -381,17 +379,18 @@ def _still_verified(entry: Any, f: hubs.HubFile, size: int, mtime_ns: int) -> bo
             and entry.get("git_oid") == f.git_oid)
 
 
-def _extra_files(local_dir: Path, listing: hubs.HubListing) -> list[str]:
+def _local_files(local_dir: Path) -> list[str]:
+    """Files under ``local_dir`` (relative, sorted), without the clients' hidden ones."""
     if not local_dir.is_dir():
         return []
+    return sorted(rel.as_posix() for rel in (p.relative_to(local_dir)
+                                             for p in local_dir.rglob("*") if p.is_file())
+                  if not any(part.startswith(".") for part in rel.parts))
+
+
+def _extra_files(local_dir: Path, listing: hubs.HubListing) -> list[str]:
     listed = {f.path for f in listing.files}
-    extra = []
-    for p in local_dir.rglob("*"):
-        rel = p.relative_to(local_dir)
-        if p.is_file() and not any(part.startswith(".") for part in rel.parts) \
-                and rel.as_posix() not in listed:
-            extra.append(rel.as_posix())
-    return sorted(extra)
+    return [rel for rel in _local_files(local_dir) if rel not in listed]
 
 
 def _disk_shortfall(local_dir: Path, need: int) -> int | None:
