@@ -112,6 +112,15 @@ def match_fatal(line: str) -> FatalPattern | None:
     return None
 
 
+def _first_fatal(lines: list[str]) -> tuple[FatalPattern | None, str]:
+    """The first known fatal line among ``lines`` and its pattern, or (None, "")."""
+    for line in lines:
+        fatal = match_fatal(line)
+        if fatal is not None:
+            return fatal, line.strip()
+    return None, ""
+
+
 # --- process groups -------------------------------------------------------------------------
 
 
@@ -125,6 +134,17 @@ def group_alive(pgid: int) -> bool:
     return _group_has_live_member(pgid)
 
 
+def _stat_fields(proc_dir: Path) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, ...
+
+    None when the process is gone or the file is unreadable.
+    """
+    try:
+        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def _group_has_live_member(pgid: int) -> bool:
     """killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
     proc = Path("/proc")
@@ -133,11 +153,8 @@ def _group_has_live_member(pgid: int) -> bool:
     for entry in proc.iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
+        fields = _stat_fields(entry)
+        if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
             return True
     return False
 
@@ -170,11 +187,8 @@ def pid_alive(pid: int | None) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    return state != "Z"
+    fields = _stat_fields(Path(f"/proc/{pid}"))
+    return not fields or fields[0] != "Z"
 
 
 def _raise_nofile() -> None:
@@ -312,19 +326,16 @@ def wait_ready(url: str, health_paths: list[str], timeout: float, *, follower: L
     passed = 0
     while True:
         elapsed = time.monotonic() - start
-        for line in follower.new_lines():
-            fatal = match_fatal(line)
-            if fatal is not None:
-                return Readiness(False, "fatal", elapsed, fatal=fatal, fatal_line=line.strip(),
-                                 tail=list(follower.tail))
+        fatal, line = _first_fatal(follower.new_lines())
+        if fatal is not None:
+            return Readiness(False, "fatal", elapsed, fatal=fatal, fatal_line=line,
+                             tail=list(follower.tail))
         code = exit_code()
         if code is not None:
             time.sleep(0.2)  # let the last lines reach the log
-            lines = follower.new_lines()
-            fatal = next((f for f in map(match_fatal, lines) if f), None)
-            line = next((ln for ln in lines if match_fatal(ln)), "")
+            fatal, line = _first_fatal(follower.new_lines())
             return Readiness(False, "fatal" if fatal else "exited", elapsed, exit_code=code,
-                             fatal=fatal, fatal_line=line.strip(), tail=list(follower.tail))
+                             fatal=fatal, fatal_line=line, tail=list(follower.tail))
         if elapsed > timeout:
             return Readiness(False, "timeout", elapsed, tail=list(follower.tail))
         if on_wait is not None:
