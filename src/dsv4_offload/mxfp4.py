@@ -38,6 +38,9 @@ E2M1_VALUES = np.array(
 KERNEL_SOURCE = Path(__file__).parent / "native" / "mxfp4_repack.c"
 KERNEL_ENV = "DSV4_MXFP4_KERNEL"  # "numpy" skips the compiled loop
 
+# blocks per step of the numpy repack: few enough that its scratch buffers stay in L2
+CHUNK_BLOCKS = 16384
+
 _LOW_NIBBLES = np.uint64(0x0F0F0F0F0F0F0F0F)
 _HIGH_NIBBLES = np.uint64(0xF0F0F0F0F0F0F0F0)
 _FOUR = np.uint64(4)
@@ -138,7 +141,7 @@ class Repacker:
     ~5x a per-nibble formulation. One instance per thread.
     """
 
-    def __init__(self, chunk_blocks: int = 16384, native: bool = True) -> None:
+    def __init__(self, chunk_blocks: int = CHUNK_BLOCKS, native: bool = True) -> None:
         self.chunk = chunk_blocks
         self._native = native_repack() if native else None
         self._even = np.empty(chunk_blocks, np.uint64)
@@ -192,14 +195,14 @@ def halfblock_codes(weight: np.ndarray) -> np.ndarray:
     """Consecutive-order code bytes [..., K/2] -> half-block order, as a [G, 16] uint8 array."""
     groups = weight.size // BLOCK_CODE_BYTES
     blocks = np.empty((groups, BLOCK_BYTES), np.uint8)
-    Repacker(min(groups, 16384), native=False).repack_into(weight, np.zeros(groups, np.uint8),
-                                                           blocks)
+    repacker = Repacker(min(groups, CHUNK_BLOCKS), native=False)
+    repacker.repack_into(weight, np.zeros(groups, np.uint8), blocks)
     return blocks[:, 1:]
 
 
 def repack_into(weight: np.ndarray, scale: np.ndarray, out: np.ndarray) -> None:
     """Write GGUF MXFP4 blocks of `weight` [N, K/2] and `scale` [N, K/32] into `out`."""
-    Repacker(min(max(scale.size, 1), 16384)).repack_into(weight, scale, out)
+    Repacker(min(max(scale.size, 1), CHUNK_BLOCKS)).repack_into(weight, scale, out)
 
 
 def repack(weight: np.ndarray, scale: np.ndarray) -> np.ndarray:
