@@ -10,9 +10,6 @@ import typer
 from dsv4_offload import clikit
 from dsv4_offload.errors import InputError
 
-WEIGHT_SET_NAMES = ("w8a8", "mxfp4")
-HUB_NAMES = ("huggingface", "modelscope")
-
 
 def register(app: typer.Typer) -> None:
     app.command("build")(build)
@@ -51,18 +48,20 @@ def build(
 
 def _endpoints(values: list[str]) -> str | dict[str, str] | None:
     """`URL` (every hub) or `HUB=URL` (repeatable) into the stage's endpoint option."""
+    from dsv4_offload.hubs import HUBS
+
     if not values:
         return None
     per_hub: dict[str, str] = {}
     for value in values:
         hub, sep, url = value.partition("=")
-        if sep and hub in HUB_NAMES:
+        if sep and hub in HUBS:
             per_hub[hub] = url
         elif len(values) == 1 and not sep:
             return value
         else:
             raise InputError(f"--endpoint '{value}': give one URL, or HUB=URL per hub "
-                             f"({', '.join(HUB_NAMES)})")
+                             f"({', '.join(HUBS)})")
     return per_hub
 
 
@@ -94,9 +93,11 @@ def download(
     4. Check every fetched file against the listing; a corrupt one is named and removed,
        and the next run fetches it again.
     """
-    if which is not None and which not in WEIGHT_SET_NAMES:
+    from dsv4_offload.stages.download import WEIGHT_SETS
+
+    if which is not None and which not in WEIGHT_SETS:
         raise InputError(f"download: '{which}' is not a weight set; use "
-                         f"{' or '.join(WEIGHT_SET_NAMES)} (or nothing for both)")
+                         f"{' or '.join(WEIGHT_SETS)} (or nothing for both)")
     endpoints = _endpoints(endpoint)
     if isinstance(endpoints, str) and which is None:
         # the two sets live on different hubs: one mirror URL cannot serve both
