@@ -102,14 +102,21 @@ def sha256_file(path: Path, advance: Any = None) -> str:
     return digest.hexdigest()
 
 
-def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, str]:
+def _thread_safe(advance: Any) -> Any:
+    """``advance`` callable from several threads (a Task's advance is a read-modify-write)."""
+    if advance is None:
+        return None
     lock = threading.Lock()
 
     def locked_advance(n: int) -> None:
-        if advance is not None:
-            with lock:
-                advance(n)
+        with lock:
+            advance(n)
 
+    return locked_advance
+
+
+def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, str]:
+    locked_advance = _thread_safe(advance)
     with cf.ThreadPoolExecutor(max(1, jobs), thread_name_prefix="sha256") as pool:
         digests = pool.map(lambda p: sha256_file(p, locked_advance), paths)
         return dict(zip(paths, digests, strict=True))
@@ -225,6 +232,7 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
     entries = ckpt.layer_tensors(layout.layer)
     experts = layout.dims.experts
     threads = max(1, min(threads, experts))
+    advance = _thread_safe(advance)
     fd = os.open(path, os.O_RDONLY)
 
     def compare_range(lo: int, hi: int) -> list[tuple[int, int, Any, Any]]:
