@@ -78,6 +78,8 @@ def patch_apply(
 @patch_app.command("status")
 def patch_status(ctx: typer.Context) -> None:
     """Per patch: applied / not-applied / changed (since applied) / missing."""
+    from collections import Counter
+
     from dsv4_offload import series as series_ops
 
     pctx = clikit.load_context(ctx, "patch")
@@ -86,9 +88,7 @@ def patch_status(ctx: typer.Context) -> None:
     data = {"patches": [r.__dict__ for r in rows]}
     table = _table(("patch", "target", "state", "commit", "detail"),
                    [(r.name, r.target, r.state, (r.commit or "")[:12], r.detail) for r in rows])
-    counts: dict[str, int] = {}
-    for r in rows:
-        counts[r.state] = counts.get(r.state, 0) + 1
+    counts = Counter(r.state for r in rows)
     line = "patch status: " + ", ".join(f"{n} {state}" for state, n in counts.items())
     clikit.emit(ctx, command="patch status", status="ok" if all_applied else "warn", data=data,
                 table=_shown(ctx, table), lines=[line])

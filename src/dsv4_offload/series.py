@@ -15,6 +15,7 @@ import re
 import shutil
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -583,10 +584,7 @@ class CheckReport:
         return bool(self.rows) and all(r.status == CLEAN for r in self.rows)
 
     def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for r in self.rows:
-            out[r.status] = out.get(r.status, 0) + 1
-        return out
+        return dict(Counter(r.status for r in self.rows))
 
     def as_dict(self) -> dict[str, Any]:
         return {"ok": self.ok, "counts": self.counts(), "bases": self.bases,
