@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -236,6 +237,27 @@ def test_refresh_regenerates_our_patch_from_its_commit(
     assert set(_status(project, ws, capsys).values()) == {"applied"}
 
 
+def _apply_blocked_at_second_commit(tmp_path: Path, cli: list[str]
+                                    ) -> tuple[subprocess.Popen[bytes], Path]:
+    """`patch apply` in a subprocess whose git blocks at its second commit; returns once it
+    does (the blocked git's pid is in the returned file)."""
+    reached = tmp_path / "reached"
+    shim = write_git_shim(tmp_path / "shim", block_on="commit", nth=2, reached=reached)
+    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    proc = cli_subprocess(cli + ["patch", "apply"], env)
+    try:
+        deadline = time.monotonic() + 60
+        while not reached.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the apply never reached its second commit"
+            time.sleep(0.02)
+    except BaseException:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        raise
+    return proc, reached
+
+
 def test_sigkill_in_the_middle_of_apply_is_recovered(
         tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
     # reference: an uninterrupted run in another workspace
@@ -244,21 +266,10 @@ def test_sigkill_in_the_middle_of_apply_is_recovered(
     ws = tmp_path / "ws"
     assert run_cli(project.cli(ws) + ["fetch"], capsys)[0] == 0
 
-    reached = tmp_path / "reached"
-    shim = write_git_shim(tmp_path / "shim", block_on="commit", nth=2, reached=reached)
-    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
-    proc = cli_subprocess(project.cli(ws) + ["--quiet", "patch", "apply"], env)
-    try:
-        deadline = time.monotonic() + 60
-        while not reached.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the apply never reached its second commit"
-            time.sleep(0.02)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)  # the tool...
-        proc.wait()
-        if reached.exists():  # ...and the git it was running (its own process group)
-            os.kill(int(reached.read_text()), signal.SIGKILL)
+    proc, reached = _apply_blocked_at_second_commit(tmp_path, project.cli(ws) + ["--quiet"])
+    os.killpg(proc.pid, signal.SIGKILL)  # the tool...
+    proc.wait()
+    os.kill(int(reached.read_text()), signal.SIGKILL)  # ...and its git (own process group)
     main = ws / MAIN
     # killed half-way: one patch committed, the next one staged, the crash marker set
     assert len(_subjects(main, upstreams.commits["main"])) == 1
@@ -280,16 +291,8 @@ def test_ctrl_c_in_the_middle_of_apply_rolls_back(
     project, ws = _fetched(tmp_path, upstreams, upstreams.good, capsys)
     main = ws / MAIN
     pinned = repo_state(main)
-    reached = tmp_path / "reached"
-    shim = write_git_shim(tmp_path / "shim", block_on="commit", nth=2, reached=reached)
-    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
-    proc = cli_subprocess(project.cli(ws) + ["patch", "apply"], env)
+    proc, _ = _apply_blocked_at_second_commit(tmp_path, project.cli(ws))
     try:
-        deadline = time.monotonic() + 60
-        while not reached.exists():
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the apply never reached its second commit"
-            time.sleep(0.02)
         os.kill(proc.pid, signal.SIGINT)
         _, err = proc.communicate(timeout=60)
     finally:
