@@ -83,16 +83,19 @@ def expected_expert_tensor(dims: MoeDims, projection: str, kind: str
     return SCALE_DTYPE, (n, k // mxfp4.BLOCK_ELEMENTS)
 
 
-def parse_config(path: Path) -> MoeDims:
-    """MoeDims from a config.json; each missing or malformed field is one clear error."""
+def _read_json(path: Path, if_missing: str) -> Any:
+    """A checkpoint JSON file; missing or broken is one InputError line ending in the fix."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise InputError(
-            f"{path}: missing; the MXFP4 checkpoint is incomplete: {REFETCH}"
-        ) from None
+        raise InputError(f"{path}: missing; {if_missing}") from None
     except (OSError, ValueError) as exc:
         raise InputError(f"{path}: not valid JSON ({exc}); {REFETCH}") from None
+
+
+def parse_config(path: Path) -> MoeDims:
+    """MoeDims from a config.json; each missing or malformed field is one clear error."""
+    doc = _read_json(path, f"the MXFP4 checkpoint is incomplete: {REFETCH}")
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected a JSON object; {REFETCH}")
     values: dict[str, int] = {}
@@ -196,12 +199,7 @@ class Checkpoint:
             )
         dims = parse_config(root / CONFIG_FILE)
         index_path = root / INDEX_FILE
-        try:
-            doc = json.loads(index_path.read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise InputError(f"{index_path}: missing; {REFETCH}") from None
-        except (OSError, ValueError) as exc:
-            raise InputError(f"{index_path}: not valid JSON ({exc}); {REFETCH}") from None
+        doc = _read_json(index_path, REFETCH)
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise InputError(f"{index_path}: field 'weight_map' is missing or empty; {REFETCH}")
