@@ -183,13 +183,14 @@ def check_delivery_manifest(ctx: StageContext) -> Path | None:
 # --- level 3 -------------------------------------------------------------------------------
 
 
-def _pread_into(fd: int, out: Any, offset: int) -> None:
+def _pread_into(fd: int, out: Any, offset: int, path: Path) -> None:
     view = memoryview(out)
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise InputError(f"unexpected end of file at byte {offset + done}")
+            raise InputError(f"{path}: unexpected end of file at byte {offset + done}; it "
+                             "changed during the check: rerun `dsv4-offload verify-gguf`")
         done += n
 
 
@@ -246,7 +247,7 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
                 w_entry, s_entry = pairs[expert]
                 got = got_buf[: tensor.expert_bytes]
                 want = want_buf[: tensor.expert_bytes]
-                _pread_into(fd, got, tensor.expert_offset(expert))
+                _pread_into(fd, got, tensor.expert_offset(expert), path)
                 with ckpt.mapped(w_entry) as weight, ckpt.mapped(s_entry) as scale:
                     repacker.repack_into(weight, scale, want)
                     del weight, scale  # let the maps close
