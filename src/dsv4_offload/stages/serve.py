@@ -289,7 +289,7 @@ def _already_running(ctx: StageContext, record: sv.ServeRecord, facts: Any) -> S
 
 
 def server_log(ctx: StageContext) -> Path | None:
-    """The current (or last) server log, for `serve logs` and accept's marker check."""
+    """The current (or last) server log, for `serve logs`."""
     record = sv.read_record(ctx.workspace.serve_record)
     if record is not None and Path(record.log).is_file():
         return Path(record.log)
