@@ -151,9 +151,15 @@ def test_local_dir_only_checks_without_network(tmp_path: Path, hub: StandinHub) 
     assert "with network access" in no_record.problems[0].fix
     assert download.run(ctx).ok
     hub.stop()
+    record_file = ctx.workspace.weights_record("mxfp4")
+    record = json.loads(record_file.read_text())
+    record["listed"] = listed = "2026-01-02T03:04:05+00:00"
+    record_file.write_text(json.dumps(record))
 
     offline = download.run(make_ctx(tmp_path, which="mxfp4", local_dir_only=True))
     assert offline.ok
+    # the record still says when the hub was asked, not when the disk was last checked
+    assert json.loads(record_file.read_text())["listed"] == listed
     (weights(ctx, "mxfp4") / "tokenizer.json").unlink()
     shard = weights(ctx, "mxfp4") / SHARD
     shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes

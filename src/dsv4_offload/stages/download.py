@@ -239,7 +239,9 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
                 f"weights.{name}.dir at a bigger disk", check="disk"))
         else:
             _fetch(ctx, name, listing, to_fetch, local_dir, verified, report, log)
-    _write_record(record_path, listing, spec.allow_patterns, verified)
+    # offline, the listing is the recorded one: keep when it was listed
+    _write_record(record_path, listing, spec.allow_patterns, verified,
+                  listed=record.get("listed") if offline and record is not None else None)
     for path, why in report.bad.items():
         report.problems.append(Problem(
             "error", f"{name}: {local_dir / path}: {why} after download; removed",
@@ -427,9 +429,9 @@ def _read_record(path: Path, spec: Any) -> dict[str, Any] | None:
 
 
 def _write_record(path: Path, listing: hubs.HubListing, allow_patterns: list[str],
-                  verified: dict[str, Any]) -> None:
+                  verified: dict[str, Any], listed: str | None = None) -> None:
     atomic_write_json(path, {
-        "schema": RECORD_SCHEMA, "listed": now_iso(), "revision": listing.revision,
+        "schema": RECORD_SCHEMA, "listed": listed or now_iso(), "revision": listing.revision,
         "allow_patterns": list(allow_patterns), "listing": listing.as_dict(),
         "verified": verified,
     })
