@@ -10,7 +10,6 @@ on the same pinned commit gives the same commit ids on every machine.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import shutil
 import tempfile
@@ -179,12 +178,9 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
         _git(repo_dir, [*NO_HOOKS, *amend], log, env)
     else:
         _git(repo_dir, [*NO_HOOKS, "apply", "--index", strip, str(patch_file)], log, env)
-        with tempfile.NamedTemporaryFile("w", suffix=".msg", delete=False) as fh:
-            fh.write(commit_message(patch))
-        try:
-            _git(repo_dir, [*NO_HOOKS, "commit", "-q", "--no-verify", "-F", fh.name], log, env)
-        finally:
-            os.unlink(fh.name)
+        message = patch_file.with_suffix(".msg")  # beside the patch, in the caller's temp dir
+        message.write_text(commit_message(patch), encoding="utf-8")
+        _git(repo_dir, [*NO_HOOKS, "commit", "-q", "--no-verify", "-F", str(message)], log, env)
 
 
 def am_in_progress(repo_dir: Path) -> bool:
