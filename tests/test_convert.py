@@ -11,6 +11,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -186,6 +187,24 @@ def test_layer_selection_and_jobs_defaults() -> None:
     assert convert.mem_available_bytes("MemTotal: 9 kB\nMemAvailable:  4096 kB\n") == 4096 * 1024
     assert 1 <= convert.default_jobs(100) <= (os.cpu_count() or 1)
     assert convert.default_jobs(1) == 1
+
+
+def test_fingerprinting_the_gguf_stages_loads_no_numpy(tmp_path: Path) -> None:
+    # `status` and `run` fingerprint every stage with a record: that must stay cheap
+    code = (
+        "import sys\n"
+        "from dsv4_offload import pipeline\n"
+        "from dsv4_offload.recipe import load_recipe_and_series\n"
+        "from dsv4_offload.stage import StageContext\n"
+        "from dsv4_offload.workspace import Workspace\n"
+        "recipe, series = load_recipe_and_series()\n"
+        f"ws = Workspace({str(tmp_path)!r})\n"
+        "ctx = StageContext(recipe=recipe, series=series, workspace=ws)\n"
+        "pipeline.fingerprint(ctx, pipeline.spec('verify-gguf'), {})\n"
+        "print(sorted(m for m in ('numpy', 'gguf') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # --- broken checkpoints: one clear line each ------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import mmap
 import os
 import re
@@ -22,12 +23,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
-
-from dsv4_offload import mxfp4
 from dsv4_offload.errors import InputError
+
+if TYPE_CHECKING:
+    import numpy as np
+
+# numpy and mxfp4 (which needs numpy) load inside the functions that use them: `status`
+# fingerprints `convert` with this module's file names and must not pay for numpy
 
 INDEX_FILE = "model.safetensors.index.json"
 CONFIG_FILE = "config.json"
@@ -77,6 +81,8 @@ def expert_key(layer: int, expert: int, projection: str, kind: str, prefix: str 
 def expected_expert_tensor(dims: MoeDims, projection: str, kind: str
                            ) -> tuple[str, tuple[int, int]]:
     """(dtype, shape) the checkpoint must hold for one expert tensor."""
+    from dsv4_offload import mxfp4
+
     n, k = dims.projection_shape(projection)
     if kind == "weight":
         return WEIGHT_DTYPE, (n, k // 2)
@@ -95,6 +101,8 @@ def _read_json(path: Path, if_missing: str) -> Any:
 
 def parse_config(path: Path) -> MoeDims:
     """MoeDims from a config.json; each missing or malformed field is one clear error."""
+    from dsv4_offload import mxfp4
+
     doc = _read_json(path, f"the MXFP4 checkpoint is incomplete: {REFETCH}")
     if not isinstance(doc, dict):
         raise InputError(f"{path}: expected a JSON object; {REFETCH}")
@@ -162,7 +170,7 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise InputError(f"{path}: header entry '{name}' is malformed; {REFETCH}") from None
-        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        count = math.prod(shape)
         if dtype in DTYPE_BYTES and end - start != count * DTYPE_BYTES[dtype]:
             raise InputError(
                 f"{path}: '{name}' spans {end - start} B but {dtype}{list(shape)} needs "
@@ -298,6 +306,8 @@ class Checkpoint:
         One tensor at a time (a few MB), so mapped pages never pile up in our RSS.
         MAP_POPULATE maps it in one go instead of a page fault per 4 KiB.
         """
+        import numpy as np
+
         start = entry.offset - entry.offset % mmap.ALLOCATIONGRANULARITY
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         try:
@@ -339,7 +349,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * DTYPE_BYTES[self.dtype]
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 def write_safetensors(path: Path, tensors: Iterable[TensorSpec]) -> None:
@@ -374,6 +384,8 @@ def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterato
     Codes cover all 256 byte values; exponents are drawn around 2^0 with a few extremes, so
     every E2M1 code and a wide range of scales is exercised. Deterministic for (seed, layer).
     """
+    import numpy as np
+
     yield TensorSpec(f"layers.{layer}.ffn_norm.weight", "F32", (dims.hidden,),
                      lambda: np.ones(dims.hidden, np.float32).tobytes())
     for expert in range(dims.experts):
@@ -387,6 +399,8 @@ def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterato
 
 def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int]) -> Callable[[], bytes]:
     def make() -> bytes:
+        import numpy as np
+
         rng = np.random.default_rng(list(seed) + [kind == "scale"])
         n = shape[0] * shape[1]
         if kind == "weight":
