@@ -355,20 +355,23 @@ def repo_state(path: Path) -> dict[str, str]:
             "status": git(path, "status", "--porcelain", "--ignore-submodules=all")}
 
 
-def write_git_shim(dir: Path, block_on: str, nth: int, reached: Path) -> Path:
+def write_git_shim(dir: Path, block_on: str, nth: int, reached: Path, fail: bool = False) -> Path:
     """A ``git`` on PATH that runs the real one but blocks at the nth ``block_on`` command
     (writing its pid to ``reached``), so a test can SIGKILL the tool and that git at a known
-    point in the middle of an apply."""
+    point in the middle of an apply; with ``fail``, that command fails at once instead."""
     real = shutil.which("git")
     dir.mkdir(parents=True, exist_ok=True)
     counter = dir / "count"
     shim = dir / "git"
+    then = (f'echo "fatal: {block_on} refused by the test" >&2; exit 1' if fail
+            else "exec sleep 120")
     shim.write_text(f"""#!/bin/sh
 case " $* " in
   *" {block_on} "*)
     n=$(cat "{counter}" 2>/dev/null || echo 0); n=$((n+1)); echo "$n" > "{counter}"
     if [ "$n" -eq {nth} ]; then
-      echo $$ > "{reached}.tmp"; mv "{reached}.tmp" "{reached}"; exec sleep 120
+      echo $$ > "{reached}.tmp"; mv "{reached}.tmp" "{reached}"
+      {then}
     fi ;;
 esac
 exec "{real}" "$@"

@@ -16,6 +16,7 @@ from gitfixtures import (  # noqa: E402
     refusing_env,
     repo_state,
     run_cli,
+    write_git_shim,
     write_project,
 )
 
@@ -207,21 +208,14 @@ def test_fetch_failed_checkout_leaves_no_partial_repository(
         monkeypatch: pytest.MonkeyPatch) -> None:
     project = write_project(tmp_path / "p", upstreams, upstreams.good)
     ws = tmp_path / "ws"
-    shim = tmp_path / "shim"
-    shim.mkdir()
-    (shim / "git").write_text(f"""#!/bin/sh
-case " $* " in
-  *" checkout "*) echo "fatal: checkout refused by the test" >&2; exit 1 ;;
-esac
-exec "{shutil.which("git")}" "$@"
-""")
-    (shim / "git").chmod(0o755)
+    shim = write_git_shim(tmp_path / "shim", block_on="checkout", nth=1,
+                          reached=tmp_path / "reached", fail=True)
     monkeypatch.setenv("PATH", f"{shim}{os.pathsep}{os.environ['PATH']}")
     code, doc = run_cli(project.cli(ws) + ["fetch"], capsys)
     assert code != 0, doc
     assert "checkout refused" in json.dumps(doc)
     assert list(ws.rglob("*.dsv4-partial")) == []
-    assert not (ws / "src" / "main").exists()
+    assert list((ws / "src").iterdir()) == []  # nothing half-made under any name
 
 
 def test_progress_reads_bytes_from_git_output() -> None:
