@@ -89,6 +89,11 @@ class NpuInfo:
     def label(self) -> str:
         return f"NPU {self.npu_id}" + (f" chip {self.chip}" if self.phy_id is not None else "")
 
+    @property
+    def healthy(self) -> bool:
+        """npu-smi says Health OK (doctor and serve's card choice share this test)."""
+        return self.health.strip().upper() == "OK"
+
 
 @dataclass(frozen=True)
 class HostFacts:
@@ -323,7 +328,7 @@ def choose_npu(npus: Iterable[NpuInfo], models: Iterable[str], *, mem_fraction: 
         return None
 
     def rank(n: NpuInfo) -> tuple[int, int]:
-        healthy, idle = n.health.upper() == "OK", npu_is_idle(n, mem_fraction)
+        healthy, idle = n.healthy, npu_is_idle(n, mem_fraction)
         return (0 if healthy and idle else 1 if idle else 2 if healthy else 3,
                 n.hbm_used_mb if n.hbm_used_mb is not None else 1 << 30)
 

@@ -127,7 +127,7 @@ def pick_device(npus: Sequence[NpuInfo], requested: int | None, inherited: str |
 
     The idlest card is the one doctor checks (host.choose_npu), so both name the same card.
     """
-    healthy = [n for n in npus if (n.health or "").strip().lower() == "ok"]
+    healthy = [n for n in npus if n.healthy]
     if requested is not None:
         known = {n.device_id: n for n in npus}
         if npus and requested not in known:

@@ -248,12 +248,12 @@ def check_npu(recipe: Recipe, facts: HostFacts, device: int | None
                                 "ASCEND_RT_VISIBLE_DEVICES" if device is not None else ""))
         return checks, None
     label = f"{chosen.label} (device {chosen.device_id}, {chosen.model})"
-    healthy_idle = [n for n in matching if n.health.upper() == "OK" and npu_is_idle(n, frac)
+    healthy_idle = [n for n in matching if n.healthy and npu_is_idle(n, frac)
                     and n is not chosen]
     other = (f"; healthy idle alternatives: {_npu_list(healthy_idle)} (--device N)"
              if healthy_idle else "")
     health = chosen.health
-    if health.upper() == "OK":
+    if chosen.healthy:
         checks.append(Check("npu-health", OK, f"{label}: OK", "Health OK"))
     else:
         checks.append(Check(
