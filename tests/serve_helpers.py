@@ -15,7 +15,7 @@ from typing import Any
 import psutil
 
 from dsv4_offload.host import HostFacts
-from dsv4_offload.recipe import load_recipe, load_series, resolve_series_path
+from dsv4_offload.recipe import load_recipe, load_recipe_and_series
 from dsv4_offload.stage import StageContext
 from dsv4_offload.workspace import Workspace
 
@@ -60,8 +60,7 @@ def make_workspace(root: Path) -> Workspace:
 
 
 def context(ws: Workspace, overrides: list[str], stage: str, **options: Any) -> StageContext:
-    recipe = load_recipe(None, overrides)
-    series = load_series(resolve_series_path(recipe), recipe)
+    recipe, series = load_recipe_and_series(None, overrides)
     return StageContext(recipe=recipe, series=series, workspace=ws, stage=stage,
                         options={"host_facts": no_npu_host(), **options})
 
