@@ -16,6 +16,7 @@ import fcntl
 import os
 import re
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -126,12 +127,15 @@ def has_commit(repo_dir: Path, commit: str) -> bool:
 
 
 def head_commit(repo_dir: Path) -> str | None:
-    import git
-
+    """HEAD's commit, None without one. A plain subprocess, not GitPython: `status` asks this
+    of every patched source (build and patch fingerprints) and must stay fast."""
     try:
-        return git_text(repo_dir, "rev-parse", "--verify", "-q", "HEAD^{commit}")
-    except git.GitCommandError:
+        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD^{commit}"],
+                              cwd=repo_dir, env=git_env(), capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
         return None
+    return (proc.stdout.strip() or None) if proc.returncode == 0 else None
 
 
 # --- mirrors -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload import gitsrc
 from dsv4_offload.errors import InputError
 from dsv4_offload.recipe import BuildStep, Recipe
 from dsv4_offload.runner import failure_excerpt, run_command
@@ -150,7 +151,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     }
     for source in ctx.recipe.sources:
         if source.patched:
-            head = git_head(ctx.workspace.source_dir(ctx.recipe, source.name))
+            head = gitsrc.head_commit(ctx.workspace.source_dir(ctx.recipe, source.name))
             out[f"head.{source.name}"] = head or "missing"
     return out
 
@@ -167,14 +168,6 @@ def _first_line(args: list[str]) -> str | None:
 
 def python_version(python: str) -> str | None:
     return _first_line([python, "-c", "import sys; print('%d.%d.%d' % sys.version_info[:3])"])
-
-
-def git_head(path: Path) -> str | None:
-    # a plain `git rev-parse` (not GitPython): `status` computes this for every source and
-    # must stay fast
-    if not path.is_dir():
-        return None
-    return _first_line(["git", "-C", str(path), "rev-parse", "HEAD"])
 
 
 # --- preflight ------------------------------------------------------------------------------
