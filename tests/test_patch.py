@@ -321,6 +321,24 @@ def test_a_failing_mail_patch_is_aborted_and_rolled_back(
         assert target["rejected"] == ["pkg/other.py:6"]
 
 
+def test_patch_reset_makes_the_patch_stage_stale(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    project, ws = _fetched(tmp_path, upstreams, upstreams.good, capsys)
+    assert run_cli(project.cli(ws) + ["patch", "apply"], capsys)[0] == 0
+
+    def patch_stage() -> dict:
+        _, doc = run_cli(project.cli(ws) + ["status"], capsys)
+        return next(s for s in doc["data"]["stages"] if s["name"] == "patch")
+
+    assert patch_stage()["state"] == "done"
+    assert run_cli(project.cli(ws) + ["patch", "reset", "sub"], capsys)[0] == 0
+    # the trees no longer hold the series: `run` must not skip the patch stage
+    stage = patch_stage()
+    assert stage["state"] == "stale" and "head:sub" in stage["reason"]
+    assert run_cli(project.cli(ws) + ["patch", "apply"], capsys)[0] == 0
+    assert patch_stage()["state"] == "done"
+
+
 def test_a_new_patch_digest_makes_the_patch_stage_stale(
         tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
     project, ws = _fetched(tmp_path, upstreams, upstreams.good, capsys)

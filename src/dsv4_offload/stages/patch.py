@@ -14,12 +14,18 @@ from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
-    """The series, patch by patch: a changed digest, order or target makes the stage stale.
+    """The series, patch by patch, and each target's HEAD: a changed digest, order or target,
+    or a tree no longer at its patched commit (`patch reset`, `fetch --force`), makes the
+    stage stale.
 
     Not the git version: the commits are deterministic, and a git upgrade must not make
     the (expensive) build downstream stale."""
-    return {f"patch:{i:02d}:{p.name}": f"{p.target}:{p.method}:{p.strip}:{p.sha256[:16]}"
-            for i, p in enumerate(ctx.series.patches)}
+    out = {f"patch:{i:02d}:{p.name}": f"{p.target}:{p.method}:{p.strip}:{p.sha256[:16]}"
+           for i, p in enumerate(ctx.series.patches)}
+    for target in series_ops.series_targets(ctx.series):
+        head = gitsrc.head_commit(ctx.workspace.source_dir(ctx.recipe, target))
+        out[f"head:{target}"] = head or "missing"
+    return out
 
 
 def run(ctx: StageContext) -> StageResult:
