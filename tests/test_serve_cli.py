@@ -191,3 +191,14 @@ def test_ctrl_c_while_a_detached_server_loads_leaves_nothing(tmp_path, no_leftov
     while leftovers(no_leftovers) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not leftovers(no_leftovers)
+
+
+def test_logs_shows_the_last_n_lines_and_none_for_zero(tmp_path):
+    ws = make_workspace(tmp_path / "ws")
+    log = ws.log_dir("serve") / "server-20260101-000000-32.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text("one\ntwo\nthree\n")
+    base = ("--workspace", str(ws.root), "serve", "logs")
+    assert run_cli(*base, "-n", "2").out.splitlines() == ["two", "three"]
+    assert run_cli(*base, "-n", "5").out.splitlines() == ["one", "two", "three"]
+    assert run_cli(*base, "-n", "0").out == ""

@@ -129,7 +129,7 @@ def serve_status(ctx: typer.Context) -> None:
 def serve_logs(
     ctx: typer.Context,
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
-    lines: int = typer.Option(50, "--lines", "-n", help="How many last lines to show."),
+    lines: int = typer.Option(50, "--lines", "-n", min=0, help="How many last lines to show."),
 ) -> None:
     """The server's log: the last lines, and with -f the new ones until Ctrl-C."""
     import sys
@@ -143,7 +143,8 @@ def serve_logs(
     if log is None:
         raise InputError(f"no server log under {sctx.log_dir}; start one with `dsv4-offload "
                          "serve`")
-    text = log.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:]
+    every = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    text = every[max(0, len(every) - lines):]  # not [-lines:]: -n 0 would show it all
     g = clikit.options_of(ctx)
     if g.json:
         clikit.emit(ctx, command="serve logs", status="ok", data={"log": str(log), "lines": text})
