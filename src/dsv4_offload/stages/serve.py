@@ -108,10 +108,9 @@ def run(ctx: StageContext) -> StageResult:
             _remember_rung(ctx, experts, attempts)
             return _ready(ctx, plan, log, experts, attempts, detach, server, remembered)
         _stop_attempt(ctx, server)
-        retry = outcome.fatal is not None and outcome.fatal.retry_fewer_experts
-        if retry and i + 1 < len(rungs):
-            ctx.progress.message(f"{outcome.fatal.cause}; retrying with "  # type: ignore[union-attr]
-                                 f"{rungs[i + 1]} resident experts")
+        fatal = outcome.fatal
+        if fatal is not None and fatal.retry_fewer_experts and i + 1 < len(rungs):
+            ctx.progress.message(f"{fatal.cause}; retrying with {rungs[i + 1]} resident experts")
             continue
         return _failed(ctx, plan, log, outcome, attempts)
     raise AssertionError("unreachable: the ladder has at least one rung")
