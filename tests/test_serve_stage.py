@@ -181,3 +181,11 @@ def test_kml_library_goes_first_on_the_library_path_when_present(tmp_path, no_le
     missing = context(ctx.workspace, [*standin_overrides(no_leftovers, free_port()),
                                       f"serve.kml_lib_dir={tmp_path / 'none'}"], "serve")
     assert str(tmp_path / "none") not in serve.make_plan(missing).env.get("LD_LIBRARY_PATH", "")
+
+
+def test_detached_spec_with_the_server_env_does_not_stay_on_disk(tmp_path, no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", detach=True)
+    result = serve.run(ctx)
+    assert result.status is Status.OK, result.as_dict()
+    assert not ctx.workspace.serve_spec.exists()
+    sv.stop_recorded(ctx.workspace.serve_record, 3)

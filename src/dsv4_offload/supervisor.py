@@ -492,7 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(args) != 1:
         sys.stderr.write("usage: python -m dsv4_offload.supervisor SPEC.json\n")
         return 2
-    spec = json.loads(Path(args[0]).read_text(encoding="utf-8"))
+    spec_path = Path(args[0])
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    # the spec holds the server's whole environment (tokens included): written 0600 by
+    # atomic_write_json's mkstemp, and gone as soon as it has been read
+    spec_path.unlink(missing_ok=True)
     return supervise(spec)
 
 
