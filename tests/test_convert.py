@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -331,29 +332,48 @@ def signal_mid_layer(ws: Path, source: Path, sig: signal.Signals, jobs: int = 1)
     return proc.returncode
 
 
+# Three layers: on a loaded machine the test may only get to send its signal after the
+# first layer is done, and the signal must still land in the middle of a conversion.
+SIGNAL_SIZE = dataclasses.replace(MID_SIZE, layers=3)
+
+
+def complete_or_absent(gguf: Path, dims: MoeDims) -> list[Path]:
+    """The final files in `gguf`, each checked to have its complete size."""
+    conv = load_recipe_and_series(None)[0].conversion
+    finals = sorted(p for p in gguf.iterdir() if p.suffix == ".gguf")
+    for p in finals:
+        layer = int(p.name.removeprefix("dsv4_layer").split("_")[0])
+        assert p.stat().st_size == LayerLayout.for_layer(layer, dims, conv).file_bytes, p
+    return finals
+
+
 def test_sigkill_mid_layer_leaves_no_final_file_and_rerun_is_identical(tmp_path: Path) -> None:
-    source = write_synthetic_checkpoint(tmp_path / "ckpt", MID_SIZE, seed=3)
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", SIGNAL_SIZE, seed=3)
     ws = tmp_path / "ws"
-    final = ws / "gguf" / FILE.format(0)
-    tmp = final.with_name(final.name + ".tmp")
+    gguf = ws / "gguf"
     code = signal_mid_layer(ws, source, signal.SIGKILL)
     assert code == -signal.SIGKILL, "the conversion ended before it could be killed"
-    assert tmp.exists() and not final.exists()
+    finals = complete_or_absent(gguf, SIGNAL_SIZE)
+    assert len(finals) < SIGNAL_SIZE.layers
+    assert [p for p in gguf.iterdir() if p.suffix == ".tmp"]  # the interrupted layer's
 
     result = run_cli("-w", str(ws), "convert", "--source", str(source))
     assert result.code == 0, result
-    assert not tmp.exists()
+    assert not [p for p in gguf.iterdir() if p.suffix == ".tmp"]
     reference = convert.run(make_ctx(tmp_path / "ref", source=str(source), jobs=1))
     assert reference.status is Status.OK
-    assert sha256(final) == sha256(tmp_path / "ref" / "gguf" / FILE.format(0))
+    for layer in range(SIGNAL_SIZE.layers):
+        name = FILE.format(layer)
+        assert sha256(gguf / name) == sha256(tmp_path / "ref" / "gguf" / name)
 
 
 def test_ctrl_c_mid_layer_cleans_up_and_exits_130(tmp_path: Path) -> None:
-    source = write_synthetic_checkpoint(tmp_path / "ckpt", MID_SIZE, seed=4)
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", SIGNAL_SIZE, seed=4)
     ws = tmp_path / "ws"
     code = signal_mid_layer(ws, source, signal.SIGINT)
     assert code == 130, "the conversion ended before Ctrl-C reached it"
-    assert not list((ws / "gguf").iterdir())  # neither the final file nor its .tmp
+    assert not [p for p in (ws / "gguf").iterdir() if p.suffix == ".tmp"]
+    assert len(complete_or_absent(ws / "gguf", SIGNAL_SIZE)) < SIGNAL_SIZE.layers
 
 
 def test_ctrl_c_reaches_parallel_workers(tmp_path: Path) -> None:
