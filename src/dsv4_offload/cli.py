@@ -98,6 +98,8 @@ def run(
     2. Run the others in order; each writes its record only when it has finished.
     3. Stop at the first failure, with its record, message and log path.
     """
+    from rich.markup import escape
+
     from dsv4_offload import pipeline
     from dsv4_offload.render import console, styled
 
@@ -111,7 +113,7 @@ def run(
             emit(ctx, command="run", status="ok", data={"dry_run": True, "plan": data})
         else:
             for i in items:
-                console().print(f"{i.stage:12} {styled(i.action):>4}  {i.reason}")
+                console().print(f"{i.stage:12} {styled(i.action):>4}  {escape(i.reason)}")
         exit_with(ExitCode.OK)
 
     def announce(stage: str, action: str) -> None:
@@ -137,21 +139,18 @@ def run(
 @app.command()
 def status(ctx: typer.Context) -> None:
     """Every stage: done / stale (which input changed) / failed (log) / pending."""
-    from rich.table import Table
-
     from dsv4_offload import pipeline
-    from dsv4_offload.render import styled
+    from dsv4_offload.render import simple_table
 
     pctx = load_context(ctx)
     rows = pipeline.pipeline_status(pctx)
-    table = Table(pad_edge=False)
-    for col in ("stage", "state", "why", "started", "ended"):
-        table.add_column(col, overflow="fold")
+    lines = []
     for r in rows:
         why = r.reason or r.summary
         if r.state in ("failed", "interrupted") and r.log:
             why += f" (see the log: {r.log})"
-        table.add_row(r.name, styled(r.state), why, r.started or "", r.ended or "")
+        lines.append((r.name, r.state, why, r.started or "", r.ended or ""))
+    table = simple_table(("stage", "state", "why", "started", "ended"), lines)
     emit(ctx, command="status", status="ok",
          data={"workspace": str(pctx.workspace.root), "stages": [r.as_dict() for r in rows]},
          table=table)

@@ -210,6 +210,8 @@ def accept(
        prompt-length bucket, against the recipe's reference; JSON report and PNG chart
        under reports/, the verdict in provenance.json.
     """
+    from rich.markup import escape
+
     from dsv4_offload import pipeline
     from dsv4_offload.render import console
 
@@ -221,5 +223,5 @@ def accept(
     g = clikit.options_of(ctx)
     if not g.json and not g.quiet and result.data.get("report"):
         chart = f", chart {result.data['chart']}" if result.data.get("chart") else ""
-        console().print(f"report {result.data['report']}{chart}", soft_wrap=True)
+        console().print(escape(f"report {result.data['report']}{chart}"), soft_wrap=True)
     clikit.exit_with(clikit.result_exit_code(result))

@@ -210,13 +210,6 @@ def _shown(ctx: typer.Context, table: Any) -> Any:
 
 
 def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]], status_col: int = 2) -> Any:
-    from rich.table import Table
+    from dsv4_offload.render import simple_table
 
-    from dsv4_offload.render import styled
-
-    table = Table(pad_edge=False)
-    for col in columns:
-        table.add_column(col, overflow="fold")
-    for row in rows:
-        table.add_row(*[styled(str(v)) if i == status_col else str(v) for i, v in enumerate(row)])
-    return table
+    return simple_table(columns, rows, status_col)

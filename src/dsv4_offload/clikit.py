@@ -82,8 +82,10 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
     out = console()
     if table is not None:
         out.print(table)
+    from rich.markup import escape
+
     for line in lines or []:
-        out.print(line, soft_wrap=True)
+        out.print(escape(line), soft_wrap=True)  # plain text: '[x]' is data, not markup
 
 
 def emit_result(typer_ctx: typer.Context, command: str, result: StageResult) -> None:

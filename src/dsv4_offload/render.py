@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     DownloadColumn,
@@ -49,17 +50,24 @@ def styled(text: str) -> str:
     return f"[{style}]{text}[/{style}]" if style else text
 
 
+def simple_table(columns: tuple[str, ...], rows: list[tuple[Any, ...]], status_col: int = 1
+                 ) -> Table:
+    """A plain table whose status column is coloured by its word."""
+    table = Table(show_lines=False, pad_edge=False)
+    for col in columns:
+        table.add_column(col, overflow="fold")
+    # cells are data ("recipe.sources[sglang].commit"), never rich markup
+    for row in rows:
+        table.add_row(*[styled(str(v)) if i == status_col else escape(str(v))
+                        for i, v in enumerate(row)])
+    return table
+
+
 def checks_table(checks: list[dict[str, Any]]) -> Table:
     """Check rows without their fixes: fixes are long and read better below the table."""
-    table = Table(show_lines=False, pad_edge=False)
-    for col in ("check", "status", "observed", "required"):
-        table.add_column(col, overflow="fold")
-    for c in checks:
-        table.add_row(
-            str(c.get("name", c.get("check", ""))), styled(str(c.get("status", ""))),
-            str(c.get("observed", "")), str(c.get("required", "")),
-        )
-    return table
+    return simple_table(("check", "status", "observed", "required"), [
+        (c.get("name", c.get("check", "")), c.get("status", ""), c.get("observed", ""),
+         c.get("required", "")) for c in checks])
 
 
 def print_fixes(checks: list[dict[str, Any]]) -> None:
@@ -68,17 +76,13 @@ def print_fixes(checks: list[dict[str, Any]]) -> None:
         status = str(c.get("status", ""))
         if status in ("fail", "warn", "failed", "error") and c.get("fix"):
             name = c.get("name", c.get("check", ""))
-            out.print(f"{styled(status)} {name}: {c['fix']}", soft_wrap=True)
+            out.print(f"{styled(status)} {escape(str(name))}: {escape(str(c['fix']))}",
+                      soft_wrap=True)
 
 
 def problems_table(result: StageResult) -> Table:
-    table = Table(show_lines=False, pad_edge=False)
-    table.add_column("severity")
-    table.add_column("problem", overflow="fold")
-    table.add_column("fix", overflow="fold")
-    for p in result.problems:
-        table.add_row(styled(p.severity if p.severity != "error" else "error"), p.message, p.fix)
-    return table
+    return simple_table(("severity", "problem", "fix"),
+                        [(p.severity, p.message, p.fix) for p in result.problems], status_col=0)
 
 
 def render_result(command: str, result: StageResult, verbose: bool = False,
@@ -90,9 +94,10 @@ def render_result(command: str, result: StageResult, verbose: bool = False,
         print_fixes(checks)
     elif result.problems and not quiet:
         out.print(problems_table(result))
-    out.print(f"{command}: {styled(result.status.value)} — {result.summary}", soft_wrap=True)
+    out.print(f"{command}: {styled(result.status.value)} — {escape(result.summary)}",
+              soft_wrap=True)
     if result.log and (result.status == Status.FAILED or verbose):
-        out.print(f"see the log: {result.log}", soft_wrap=True)
+        out.print(f"see the log: {escape(result.log)}", soft_wrap=True)
 
 
 class RichProgress(Progress):
@@ -134,4 +139,4 @@ class RichProgress(Progress):
             self._bar = None
 
     def message(self, text: str) -> None:
-        err_console().print(text)
+        err_console().print(escape(text))
