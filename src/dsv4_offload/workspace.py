@@ -111,7 +111,7 @@ class Workspace:
 
     @property
     def serve_spec(self) -> Path:
-        """What the detached supervisor is told to run (argv, env, log)."""
+        """What the detached supervisor is told to run (argv, env, log); it deletes it once read."""
         return self.run_dir / "serve-spec.json"
 
     @property
