@@ -13,14 +13,14 @@ import importlib
 import json
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
 from dsv4_offload.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.stage import StageContext, StageResult
 from dsv4_offload.workspace import now_iso
 
 
@@ -294,8 +294,9 @@ class PlanItem:
     reason: str
 
 
-def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
-         force: tuple[str, ...] = ()) -> list[PlanItem]:
+def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
+                ) -> tuple[StageSpec, ...]:
+    """The stages from --from to --to, in order (every name checked, --force's too)."""
     names = list(STAGE_NAMES)
     lo = names.index(spec(start).name) if start else 0
     hi = names.index(spec(stop).name) if stop else len(names) - 1
@@ -303,10 +304,16 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
         raise InputError(f"--from {start} comes after --to {stop}; swap them")
     for f in force:
         spec(f)
+    return STAGES[lo : hi + 1]
+
+
+def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
+         force: tuple[str, ...] = ()) -> list[PlanItem]:
+    stages = stage_range(start, stop, force)
     state = ctx.workspace.read_state()
     memo: dict[str, dict[str, str]] = {}
     items = []
-    for s in STAGES[lo : hi + 1]:
+    for s in stages:
         if s.name in force:
             items.append(PlanItem(s.name, "run", "forced"))
             continue
@@ -336,32 +343,24 @@ def run_pipeline(
     """Run the stages in order, skipping done ones; stop at the first failure."""
     results: list[tuple[str, StageResult]] = []
     skipped: list[str] = []
-    for item in plan(ctx, start, stop, force):
-        # re-plan each step: a stage that just ran changes its dependents' fingerprints
-        current = plan(ctx, item.stage, item.stage, force)[0]
+    for stage in stage_range(start, stop, force):
+        # each stage is planned at its turn: one that just ran changes its dependents'
+        # fingerprints, and planning all of them up front would fingerprint twice
+        current = plan(ctx, stage.name, stage.name, force)[0]
         if current.action == "skip":
-            skipped.append(item.stage)
+            skipped.append(stage.name)
             if on_stage:
-                on_stage(item.stage, "skip")
+                on_stage(stage.name, "skip")
             continue
         if on_stage:
-            on_stage(item.stage, "run")
+            on_stage(stage.name, "run")
         options = dict(ctx.options)
-        options.update(spec(item.stage).run_options)
-        result = run_stage(ctx, item.stage, options)
-        results.append((item.stage, result))
+        options.update(stage.run_options)
+        result = run_stage(ctx, stage.name, options)
+        results.append((stage.name, result))
         if not result.ok:
-            return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=item.stage)
+            return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)
     return RunOutcome(results, skipped, ExitCode.OK)
-
-
-def iter_specs() -> Iterator[StageSpec]:
-    return iter(STAGES)
-
-
-def failed_result(summary: str, message: str, fix: str = "", check: str = "") -> StageResult:
-    """A FAILED result with one error problem (shared shape for stages)."""
-    return StageResult(Status.FAILED, summary, problems=[Problem("error", message, fix, check)])
 
 
 def model_digest(value: BaseModel) -> str:
