@@ -687,24 +687,6 @@ def load_recipe_and_series(
     return recipe, load_series(resolve_series_path(recipe), recipe)
 
 
-def section_digest(value: Any) -> str:
-    """A stable digest of a recipe section (or any JSON-able value), for fingerprints."""
-    import hashlib
-    import json
-
-    if isinstance(value, BaseModel):
-        value = value.model_dump(mode="json", by_alias=True)
-    blob = json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def get_dotted(recipe: Recipe, dotted: str) -> Any:
-    node: Any = recipe
-    for part in dotted.split("."):
-        node = getattr(node, part) if isinstance(node, BaseModel) else node[part]
-    return node
-
-
 def looks_like_series(path: str) -> bool:
     """Whether a YAML file is a patch series (it has `patches:`) rather than a recipe."""
     try:

@@ -9,7 +9,7 @@ progress through ``ctx.progress`` and return data; the CLI renders.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -140,5 +140,3 @@ class StageContext:
         finally:
             t.close()
 
-
-StageFn = Callable[[StageContext], StageResult]
