@@ -1,13 +1,13 @@
 """Commands for the GGUF experts: ``convert`` and ``verify-gguf``.
 
-Only typer and clikit at import time; numpy, gguf and the stages load inside commands.
+Only typer and cli.kit at import time; numpy, gguf and the stages load inside commands.
 """
 
 from __future__ import annotations
 
 import typer
 
-from dsv4_offload import clikit
+from dsv4_offload.cli import kit
 
 _LAYERS_HELP = "Layers to do: a range and/or a list, e.g. 0-42, 3,5,7 or 0-3,9 (default all)."
 _SOURCE_HELP = "The native MXFP4 checkpoint (default: the workspace's MXFP4 weights dir)."
@@ -38,7 +38,7 @@ def convert(
     3. Per layer, stream expert by expert: read, repack to 17-byte MXFP4 blocks, write
        into `<file>.tmp`; fsync; rename. --jobs layers at once, in processes.
     """
-    clikit.run_stage(ctx, "convert", {"source": source, "gguf_dir": gguf_dir,
+    kit.run_stage(ctx, "convert", {"source": source, "gguf_dir": gguf_dir,
                                       "layers": layers, "jobs": jobs, "force": force})
 
 
@@ -67,5 +67,5 @@ def verify_gguf(
     On success the digests go to gguf-sha256.txt beside the files. Exit 1 on a difference,
     naming the layer, tensor, expert and row.
     """
-    clikit.run_stage(ctx, "verify-gguf", {"deep": deep, "manifest": manifest, "source": source,
+    kit.run_stage(ctx, "verify-gguf", {"deep": deep, "manifest": manifest, "source": source,
                                           "gguf_dir": gguf_dir, "layers": layers, "jobs": jobs})

@@ -1,6 +1,6 @@
 """Commands for the sources and the patch series: ``fetch`` and ``patch ...``.
 
-Only typer and clikit at import time; git, the series code and rich load inside commands.
+Only typer and cli.kit at import time; git, the series code and rich load inside commands.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from dsv4_offload import clikit
+from dsv4_offload.cli import kit
 from dsv4_offload.errors import ExitCode
 
 patch_app = typer.Typer(help="Apply, check, inspect, reset and refresh the patch series.")
@@ -45,14 +45,14 @@ def fetch(
        submodules) at their own commits; a dirty or wrong checkout is left alone unless
        --force moves it aside.
     """
-    clikit.run_stage(ctx, "fetch", {"mirrors": list(mirror), "force": force})
+    kit.run_stage(ctx, "fetch", {"mirrors": list(mirror), "force": force})
 
 
 @patch_app.callback(invoke_without_command=True)
 def patch_default(ctx: typer.Context) -> None:
     """Without a subcommand: `patch apply`."""
     if ctx.invoked_subcommand is None:
-        clikit.run_stage(ctx, "patch", {"force": False})
+        kit.run_stage(ctx, "patch", {"force": False})
 
 
 @patch_app.command("apply")
@@ -72,7 +72,7 @@ def patch_apply(
        --index` and a fixed identity; no fuzz; commit hooks off.
     3. A failure rolls the target back and names the rejected hunks and the log.
     """
-    clikit.run_stage(ctx, "patch", {"only": _split(only), "force": force})
+    kit.run_stage(ctx, "patch", {"only": _split(only), "force": force})
 
 
 @patch_app.command("status")
@@ -82,7 +82,7 @@ def patch_status(ctx: typer.Context) -> None:
 
     from dsv4_offload import series as series_ops
 
-    pctx = clikit.load_context(ctx, "patch")
+    pctx = kit.load_context(ctx, "patch")
     rows = series_ops.series_status(pctx.recipe, pctx.series, pctx.workspace)
     all_applied = all(r.state == series_ops.APPLIED for r in rows)
     data = {"patches": [r.__dict__ for r in rows]}
@@ -90,9 +90,9 @@ def patch_status(ctx: typer.Context) -> None:
                    [(r.name, r.target, r.state, (r.commit or "")[:12], r.detail) for r in rows])
     counts = Counter(r.state for r in rows)
     line = "patch status: " + ", ".join(f"{n} {state}" for state, n in counts.items())
-    clikit.emit(ctx, command="patch status", status="ok" if all_applied else "warn", data=data,
+    kit.emit(ctx, command="patch status", status="ok" if all_applied else "warn", data=data,
                 table=_shown(ctx, table), lines=[line])
-    clikit.exit_with(ExitCode.OK if all_applied else ExitCode.FAILED)
+    kit.exit_with(ExitCode.OK if all_applied else ExitCode.FAILED)
 
 
 @patch_app.command("reset")
@@ -105,7 +105,7 @@ def patch_reset(
     """Back to the pinned commit; the patched state stays under refs/dsv4/patched-<time>."""
     from dsv4_offload import series as series_ops
 
-    pctx = clikit.load_context(ctx, "patch")
+    pctx = kit.load_context(ctx, "patch")
     log = pctx.log_dir / "reset.log"
     with pctx.workspace.lock("patch reset"):
         rows = series_ops.reset_targets(pctx.recipe, pctx.series, pctx.workspace, log,
@@ -118,9 +118,9 @@ def patch_reset(
     line = (f"patch reset: {len(reset)} target(s) back at the pinned commit"
             + (f", {len(blocked)} left alone (local changes; --force keeps them under a ref)"
                if blocked else ""))
-    clikit.emit(ctx, command="patch reset", status="failed" if blocked else "ok",
+    kit.emit(ctx, command="patch reset", status="failed" if blocked else "ok",
                 data={"targets": rows, "log": str(log)}, table=_shown(ctx, table), lines=[line])
-    clikit.exit_with(ExitCode.FAILED if blocked else ExitCode.OK)
+    kit.exit_with(ExitCode.FAILED if blocked else ExitCode.OK)
 
 
 @patch_app.command("refresh")
@@ -136,14 +136,14 @@ def patch_refresh(
     """
     from dsv4_offload import series as series_ops
 
-    pctx = clikit.load_context(ctx, "patch")
+    pctx = kit.load_context(ctx, "patch")
     with pctx.workspace.lock("patch refresh"):
         rows = series_ops.refresh_series(pctx.recipe, pctx.series, pctx.workspace,
                                          _split(only) or None)
     table = _table(("patch", "target", "result", "detail"),
                    [(r["name"], r["target"], r["result"], r.get("detail", "")) for r in rows])
     refreshed = sum(1 for r in rows if r["result"] == "refreshed")
-    clikit.emit(ctx, command="patch refresh", status="ok", data={"patches": rows},
+    kit.emit(ctx, command="patch refresh", status="ok", data={"patches": rows},
                 table=_shown(ctx, table),
                 lines=[f"patch refresh: {refreshed} patch file(s) regenerated"])
 
@@ -175,7 +175,7 @@ def patch_check(
     from dsv4_offload import series as series_ops
     from dsv4_offload.errors import InputError
 
-    pctx = clikit.load_context(ctx, "patch")
+    pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
     revs: dict[str, str] = {}
     for item in rev:
@@ -199,17 +199,17 @@ def patch_check(
                    status_col=3)
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
     verdict = "ok" if report.ok else "failed"
-    clikit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
+    kit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
                 lines=[f"patch check: {verdict} — {counts}; log: {log}"])
-    clikit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+    kit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
 
 
 def _shown(ctx: typer.Context, table: Any) -> Any:
     """--quiet prints only the result line."""
-    return None if clikit.options_of(ctx).quiet else table
+    return None if kit.options_of(ctx).quiet else table
 
 
 def _table(columns: tuple[str, ...], rows: list[tuple[Any, ...]], status_col: int = 2) -> Any:
-    from dsv4_offload.render import simple_table
+    from dsv4_offload.cli.render import simple_table
 
     return simple_table(columns, rows, status_col)

@@ -55,7 +55,7 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
 
 
 def make_progress(g: GlobalOptions) -> Any:
-    from dsv4_offload.render import RichProgress
+    from dsv4_offload.cli.render import RichProgress
     from dsv4_offload.stage import Progress
 
     if g.quiet or g.json or not sys.stderr.isatty():
@@ -77,7 +77,7 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
         sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
         sys.stdout.flush()
         return
-    from dsv4_offload.render import console
+    from dsv4_offload.cli.render import console
 
     out = console()
     if table is not None:
@@ -89,7 +89,7 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
 
 
 def emit_result(typer_ctx: typer.Context, command: str, result: StageResult) -> None:
-    from dsv4_offload.render import render_result
+    from dsv4_offload.cli.render import render_result
 
     g = options_of(typer_ctx)
     if g.json:

@@ -1,13 +1,13 @@
 """Commands for builds and weights: ``build`` and ``download``.
 
-Only typer and clikit at import time; the stages (and the hub clients) load inside commands.
+Only typer and cli.kit at import time; the stages (and the hub clients) load inside commands.
 """
 
 from __future__ import annotations
 
 import typer
 
-from dsv4_offload import clikit
+from dsv4_offload.cli import kit
 from dsv4_offload.errors import InputError
 
 
@@ -42,7 +42,7 @@ def build(
     4. An optional step (ascendc-op) that fails, or whose compiler (bisheng) is missing,
        is a warning. Git hooks the kt-kernel configure installed are reported.
     """
-    clikit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python,
+    kit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python,
                                     "clean": clean})
 
 
@@ -103,6 +103,6 @@ def download(
         # the two sets live on different hubs: one mirror URL cannot serve both
         raise InputError(f"--endpoint {endpoints}: name the set (download mxfp4 --endpoint URL) "
                          "or the hub (--endpoint huggingface=URL / modelscope=URL)")
-    clikit.run_stage(ctx, "download", {
+    kit.run_stage(ctx, "download", {
         "which": which, "endpoint": endpoints, "local_dir_only": local_dir_only,
         "repair": repair, "max_workers": max_workers})

@@ -1,6 +1,6 @@
 """Commands for serving and acceptance: ``serve [status|logs|stop]`` and ``accept``.
 
-Only typer and clikit at import time; the supervisor, probes and rich load inside commands.
+Only typer and cli.kit at import time; the supervisor, probes and rich load inside commands.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from dsv4_offload import clikit
+from dsv4_offload.cli import kit
 from dsv4_offload.errors import ExitCode
 
 serve_app = typer.Typer()  # its help is the callback's docstring
@@ -54,12 +54,12 @@ def serve(
         _print_plan(ctx, options)
         return
     if detach:
-        clikit.run_stage(ctx, "serve", options)
+        kit.run_stage(ctx, "serve", options)
     _serve_foreground(ctx, options)
 
 
 def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
-    """Like clikit.run_stage, but the server's log reaches the console even on a pipe."""
+    """Like kit.run_stage, but the server's log reaches the console even on a pipe."""
     import sys
 
     from dsv4_offload import pipeline
@@ -70,25 +70,25 @@ def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
             sys.stderr.write(text + "\n")
             sys.stderr.flush()
 
-    sctx = clikit.load_context(ctx, "serve", options)
-    g = clikit.options_of(ctx)
+    sctx = kit.load_context(ctx, "serve", options)
+    g = kit.options_of(ctx)
     if type(sctx.progress) is Progress and not (g.json or g.quiet):
         sctx.progress = _EchoProgress()  # no terminal: plain lines instead of rich output
     with sctx.workspace.lock("serve"):
         result = pipeline.run_stage(sctx, "serve", options)
-    clikit.emit_result(ctx, "serve", result)
-    clikit.exit_with(clikit.result_exit_code(result))
+    kit.emit_result(ctx, "serve", result)
+    kit.exit_with(kit.result_exit_code(result))
 
 
 def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
     from dsv4_offload.stages import serve as serve_stage
 
-    sctx = clikit.load_context(ctx, "serve", options)
+    sctx = kit.load_context(ctx, "serve", options)
     plan = serve_stage.make_plan(sctx, strict=False)
     lines = [f"# {note}" for note in plan.notes]
     lines += [f"# {k}: {v}" for k, v in plan.derived.items() if k.endswith("_reason")]
     lines += plan.script()
-    clikit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
+    kit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
                 lines=lines)
 
 
@@ -99,7 +99,7 @@ def serve_status(ctx: typer.Context) -> None:
 
     from dsv4_offload import supervisor as sv
 
-    sctx = clikit.load_context(ctx, "serve")
+    sctx = kit.load_context(ctx, "serve")
     record = sv.read_record(sctx.workspace.serve_record)
     alive = sv.record_alive(record)
     data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
@@ -120,9 +120,9 @@ def serve_status(ctx: typer.Context) -> None:
                 f"{'healthy' if healthy else 'not answering /health yet'}; log {record.log}")
     else:
         line = f"not running ({record.state}, exit code {record.exit_code}); log {record.log}"
-    clikit.emit(ctx, command="serve status", status="ok" if alive else "failed", data=data,
+    kit.emit(ctx, command="serve status", status="ok" if alive else "failed", data=data,
                 lines=[line])
-    clikit.exit_with(ExitCode.OK if alive else ExitCode.FAILED)
+    kit.exit_with(ExitCode.OK if alive else ExitCode.FAILED)
 
 
 @serve_app.command("logs")
@@ -138,16 +138,16 @@ def serve_logs(
     from dsv4_offload.errors import InputError
     from dsv4_offload.stages import serve as serve_stage
 
-    sctx = clikit.load_context(ctx, "serve")
+    sctx = kit.load_context(ctx, "serve")
     log = serve_stage.server_log(sctx)
     if log is None:
         raise InputError(f"no server log under {sctx.log_dir}; start one with `dsv4-offload "
                          "serve`")
     every = log.read_text(encoding="utf-8", errors="replace").splitlines()
     text = every[max(0, len(every) - lines):]  # not [-lines:]: -n 0 would show it all
-    g = clikit.options_of(ctx)
+    g = kit.options_of(ctx)
     if g.json:
-        clikit.emit(ctx, command="serve logs", status="ok", data={"log": str(log), "lines": text})
+        kit.emit(ctx, command="serve logs", status="ok", data={"log": str(log), "lines": text})
         return
     for line in text:
         sys.stdout.write(line + "\n")
@@ -174,16 +174,16 @@ def serve_stop(ctx: typer.Context) -> None:
     """Stop the server: SIGINT, then SIGTERM, then SIGKILL on its process group."""
     from dsv4_offload import supervisor as sv
 
-    sctx = clikit.load_context(ctx, "serve")
+    sctx = kit.load_context(ctx, "serve")
     record = sv.read_record(sctx.workspace.serve_record)
     if not sv.record_alive(record):
-        clikit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},
+        kit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},
                     lines=["no server running"])
         return
     stopped, how = sv.stop_recorded(sctx.workspace.serve_record,
                                     sctx.recipe.serve.stop_timeout_s)
     pid = stopped.server_pid if stopped else None
-    clikit.emit(ctx, command="serve stop", status="ok", data={"stopped": True, "signal": how,
+    kit.emit(ctx, command="serve stop", status="ok", data={"stopped": True, "signal": how,
                                                              "pid": pid},
                 lines=[f"stopped pid {pid} ({how})"])
 
@@ -213,15 +213,15 @@ def accept(
     from rich.markup import escape
 
     from dsv4_offload import pipeline
-    from dsv4_offload.render import console
+    from dsv4_offload.cli.render import console
 
     options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes}
-    sctx = clikit.load_context(ctx, "accept", options)
+    sctx = kit.load_context(ctx, "accept", options)
     with sctx.workspace.lock("accept"):
         result = pipeline.run_stage(sctx, "accept", options)
-    clikit.emit_result(ctx, "accept", result)  # the checks table, the fixes, the verdict
-    g = clikit.options_of(ctx)
+    kit.emit_result(ctx, "accept", result)  # the checks table, the fixes, the verdict
+    g = kit.options_of(ctx)
     if not g.json and not g.quiet and result.data.get("report"):
         chart = f", chart {result.data['chart']}" if result.data.get("chart") else ""
         console().print(escape(f"report {result.data['report']}{chart}"), soft_wrap=True)
-    clikit.exit_with(clikit.result_exit_code(result))
+    kit.exit_with(kit.result_exit_code(result))

@@ -1,0 +1,154 @@
+"""The typer application, its global options and the console entry point.
+
+Commands of each area (pipeline, recipes, sources, builds, GGUF, serving) live in their own
+module of this package and register themselves here. Nothing heavy is imported at start-up
+so that ``--help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import typer
+
+from dsv4_offload import __version__
+from dsv4_offload.cli.kit import (
+    GlobalOptions,
+    report_error,
+)
+from dsv4_offload.errors import Dsv4Error, ExitCode
+
+app = typer.Typer(
+    name="dsv4-offload",
+    help=(
+        "From a bare Kunpeng-920 + Ascend NPU host to a verified DeepSeek-V4-Flash server.\n\n"
+        "Stages, in order: doctor, fetch, patch, build, download, convert, verify-gguf, "
+        "serve, accept. `run` goes through them, skipping what is done; `status` tells "
+        "what is done, stale (and why), failed or pending."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    rich_markup_mode=None,
+)
+
+AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve")
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"dsv4-offload {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    ctx: typer.Context,
+    workspace: str | None = typer.Option(
+        None, "--workspace", "-w", envvar="DSV4_WORKSPACE",
+        help="Workspace directory (default ./dsv4-work).", show_envvar=True,
+    ),
+    recipe: str | None = typer.Option(
+        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b)."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", metavar="KEY=VALUE",
+        help="Override a recipe field: dotted.key=value (repeatable).",
+    ),
+    json_out: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="More detail."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the result line."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
+                                 help="Print the version."),
+) -> None:
+    ctx.obj = GlobalOptions(workspace=workspace, recipe=recipe, overrides=list(overrides),
+                            json=json_out, verbose=verbose, quiet=quiet)
+
+
+# --- entry point ---------------------------------------------------------------------------
+
+
+def _register_areas() -> None:
+    for name in AREA_MODULES:
+        try:
+            module = importlib.import_module(f"dsv4_offload.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"dsv4_offload.cli.{name}":
+                continue  # that area is not part of this build
+            raise
+        module.register(app)
+
+
+_register_areas()
+
+
+def _command_name(args: list[str]) -> str:
+    """The subcommand words in argv (for error documents), skipping option values."""
+    import typer.main
+
+    group = typer.main.get_command(app)
+    words: list[str] = []
+    for arg in args:
+        commands = getattr(group, "commands", None)
+        if commands is None:
+            break
+        if arg in commands:
+            words.append(arg)
+            group = commands[arg]
+    return " ".join(words)
+
+
+_ExcTypes = tuple[type[BaseException], ...]
+
+
+def _click_exception_types() -> tuple[_ExcTypes, _ExcTypes, _ExcTypes]:
+    """Usage-error, abort and exit exception types: click's and typer's bundled copies.
+
+    typer >= 0.20 vendors its own click, whose exceptions are not click's classes.
+    """
+    import typer.core
+
+    usage: list[type[BaseException]] = []
+    aborts: list[type[BaseException]] = [typer.core.Abort]
+    exits: list[type[BaseException]] = [typer.core.Exit]
+    try:
+        from typer._click import exceptions as vendored
+
+        usage.append(vendored.ClickException)
+    except ImportError:  # pragma: no cover - older typer
+        pass
+    try:
+        import click
+
+        usage.append(click.exceptions.ClickException)
+        aborts.append(click.exceptions.Abort)
+        exits.append(click.exceptions.Exit)
+    except ImportError:  # pragma: no cover
+        pass
+    return tuple(usage), tuple(aborts), tuple(exits)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: expected failures print one line and exit with their code."""
+    usage_errors, aborts, exits = _click_exception_types()
+
+    args = sys.argv[1:] if argv is None else argv
+    as_json = "--json" in args
+    command = _command_name(args)
+    try:
+        rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
+    except Dsv4Error as exc:
+        sys.exit(report_error(exc, as_json, command))
+    except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
+        sys.stderr.write("interrupted\n")
+        sys.exit(int(ExitCode.INTERRUPTED))
+    except usage_errors as exc:
+        exc.show()  # type: ignore[attr-defined]
+        sys.exit(int(ExitCode.INVALID_INPUT))
+    except exits as exc:
+        sys.exit(exc.exit_code)  # type: ignore[attr-defined]
+    if rv == ExitCode.INTERRUPTED:
+        # typer turns Ctrl-C into a plain exit code 130; still say what happened
+        sys.stderr.write("interrupted\n")
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,71 @@
+"""Recipe commands: ``recipe list|show|validate``.
+
+Only typer and cli.kit at import time; the recipe models load inside commands.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from dsv4_offload.cli.kit import emit, load_context, options_of
+
+recipe_app = typer.Typer(help="List, show and validate recipes and patch series.",
+                         no_args_is_help=True)
+
+
+def register(app: typer.Typer) -> None:
+    recipe_app.command("list")(recipe_list)
+    recipe_app.command("show")(recipe_show)
+    recipe_app.command("validate")(recipe_validate)
+    app.add_typer(recipe_app, name="recipe")
+
+
+def recipe_list(ctx: typer.Context) -> None:
+    """The bundled recipes."""
+    from dsv4_offload.recipe import bundled_recipe_names, load_recipe
+
+    data = []
+    for name in bundled_recipe_names():
+        r = load_recipe(name)
+        data.append({"name": name, "npu": r.platform.npu, "cann": r.platform.cann,
+                     "description": r.description})
+    emit(ctx, command="recipe list", status="ok", data=data,
+         lines=[f"{d['name']:20} {d['npu']:5} CANN {d['cann']:7} {d['description'][:60]}"
+                for d in data])
+
+
+def recipe_show(ctx: typer.Context) -> None:
+    """The resolved recipe (with --set overrides applied), as YAML or JSON."""
+    import yaml
+
+    pctx = load_context(ctx)
+    data = pctx.recipe.model_dump(mode="json", by_alias=True)
+    emit(ctx, command="recipe show", status="ok", data=data,
+         lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()])
+
+
+def recipe_validate(
+    ctx: typer.Context,
+    file: str | None = typer.Argument(None, help="Recipe or series YAML (default: --recipe)."),
+) -> None:
+    """Validate a recipe and its series, or a series file; exit 2 with one line when invalid."""
+    from dsv4_offload.recipe import (
+        load_recipe_and_series,
+        load_series,
+        looks_like_series,
+        recipe_path,
+    )
+
+    g = options_of(ctx)
+    if file and looks_like_series(file):
+        series = load_series(__import__("pathlib").Path(file))
+        data = {"series": series.name, "patches": len(series.patches), "file": file}
+        line = f"{file}: valid series '{series.name}' ({len(series.patches)} patches)"
+    else:
+        recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
+        data = {"recipe": recipe.name, "file": str(recipe_path(recipe)), "series": series.name,
+                "sources": len(recipe.sources), "patches": len(series.patches)}
+        line = (f"{recipe_path(recipe)}: valid recipe '{recipe.name}' "
+                f"({len(recipe.sources)} sources, series '{series.name}' with "
+                f"{len(series.patches)} patches)")
+    emit(ctx, command="recipe validate", status="ok", data=data, lines=[line])
