@@ -4,8 +4,9 @@
    binds to the interpreter that builds it); steps that compile natively (``build_ext``)
    need cmake, a C compiler and the hwloc/numa headers.
 2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
-   ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python, its
-   output in ``logs/build/<step>.log``.
+   ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python
+   (``{tool_python}``, ``{workspace}``: see :func:`expand_command`), its output in
+   ``logs/build/<step>.log``.
 3. Its log (this run's part) must match every ``expect_markers`` and no ``forbid_markers``
    entry. Markers are Python regular expressions searched line by line (``re.search``); plain
    text without metacharacters matches itself, the same rule as the acceptance log markers.
@@ -370,7 +371,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         report.fix = "run `dsv4-offload fetch` and `dsv4-offload patch apply` first"
         return report
     env = step_env(ctx, step)
-    argv = [python if a == "{python}" else a.replace("{python}", python) for a in step.command]
+    argv = expand_command(step.command, python, ctx.workspace.root)
     absent = [t for t in _tools_named(argv) if shutil.which(t, path=env.get("PATH")) is None]
     if absent:
         report.status = "skipped" if step.optional else "failed"
@@ -428,6 +429,21 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     report.status = "ok"
     report.message = f"{report.seconds:.0f}s"
     return report
+
+
+def expand_command(command: list[str], python: str, workspace: Path) -> list[str]:
+    """A step's argv with ``{python}`` (the build python), ``{tool_python}`` (the interpreter
+    running dsv4-offload, for its own cross-build helpers) and ``{workspace}`` filled in."""
+    import sys
+
+    values = {"{python}": python, "{tool_python}": sys.executable,
+              "{workspace}": str(workspace)}
+    out = []
+    for arg in command:
+        for key, value in values.items():
+            arg = arg.replace(key, value)
+        out.append(arg)
+    return out
 
 
 def _fail(report: StepReport, step: BuildStep, message: str) -> StepReport:
