@@ -103,11 +103,14 @@ def apt_download_argv(plan: SysrootPlan) -> list[str]:
     return ["apt-get", "download", *(f"{p}:{plan.request.arch}" for p in plan.packages)]
 
 
-def pip_download_argv(python: str, plan: SysrootPlan, dest: Path) -> list[str]:
+def pip_download_argv(python: str, plan: SysrootPlan, dest: Path,
+                      find_links: Path | None = None) -> list[str]:
+    """pip's download of the target platform's binary wheels (``find_links``: offline)."""
     r = plan.request
+    local = ["--no-index", "--find-links", str(find_links)] if find_links else []
     return [python, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
             "--platform", r.wheel_platform, "--python-version", r.python_version,
-            "--dest", str(dest), *plan.wheels]
+            *local, "--dest", str(dest), *plan.wheels]
 
 
 def deb_for(package: str, arch: str, files: list[Path]) -> Path | None:

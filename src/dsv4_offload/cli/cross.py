@@ -80,7 +80,8 @@ def cmd_sysroot(args: argparse.Namespace) -> int:
             crossbuild.mark_done(sysroot, "debs", package, deb.name)
             deb.unlink()
     if plan.wheels:
-        _run(crossbuild.pip_download_argv(sys.executable, plan, downloads))
+        links = Path(args.find_links).resolve() if args.find_links else None
+        _run(crossbuild.pip_download_argv(sys.executable, plan, downloads, links))
         wheels = list(downloads.glob("*.whl"))
         site = sysroot / request.site_dir
         for project in plan.wheels:
@@ -111,7 +112,7 @@ def cmd_cmake(args: argparse.Namespace) -> int:
     _require([str(target.cc), str(target.cxx)],
              f"apt-get install gcc-{args.triple} g++-{args.triple}")
     _require([args.emulator, "cmake", "pkg-config"],
-             f"apt-get install qemu-user cmake pkg-config")
+             "apt-get install qemu-user cmake pkg-config")
     build_dir.mkdir(parents=True, exist_ok=True)
     toolchain = build_dir / crossbuild.TOOLCHAIN_NAME
     toolchain.write_text(crossbuild.toolchain_file(target), encoding="utf-8")
@@ -155,6 +156,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--python-version", default="3.11")
     s.add_argument("--site-dir", default=crossbuild.DEFAULT_SITE_DIR,
                    help="where wheels go, relative to the sysroot")
+    s.add_argument("--find-links", help="take wheels from this directory only (offline)")
     s.set_defaults(func=cmd_sysroot)
     c = sub.add_parser("cmake", help="cross-configure and build a CMake project")
     c.add_argument("--source", default=".", help="the CMakeLists.txt directory")
