@@ -320,3 +320,31 @@ def test_toolchain_file_finds_the_sysroots_library_through_pkg_config(tmp_path: 
     with open(build / "toy", "rb") as fh:
         header = fh.read(20)
     assert header[:4] == b"\x7fELF" and header[18] == 0xB7  # e_machine EM_AARCH64
+
+
+# --- the recipe's markers against the real configure output ----------------------------------
+
+# the `-- ` lines of the real configure of the delivery-patched kt-kernel by this recipe
+# (`dsv4-offload --recipe dsv4-flash-arm-rehearsal build kt-kernel`, 2026-12-03, captured)
+CONFIGURE_LOG = Path(__file__).parent / "fixtures/arm-rehearsal/configure-kunpeng920.log"
+
+
+def markers_missing(text: str, recipe_overrides: list[str] | None = None) -> list[str]:
+    import re
+
+    step = load_recipe("dsv4-flash-arm-rehearsal", recipe_overrides).build.steps[1]
+    return [m for m in step.expect_markers if not re.search(m, text, re.MULTILINE)]
+
+
+def test_the_markers_match_the_real_kunpeng920_configure() -> None:
+    text = CONFIGURE_LOG.read_text()
+    assert markers_missing(text) == []
+
+
+def test_an_sve_or_bf16_or_i8mm_target_line_fails_the_exact_marker() -> None:
+    text = CONFIGURE_LOG.read_text()
+    line = "-- ARM target: -march=armv8.2-a+fp16+dotprod"
+    assert line + "\n" in text
+    for extra in ("+sve", "+bf16", "+i8mm"):
+        assert markers_missing(text.replace(line + "\n", line + extra + "\n")) == [
+            r"^-- ARM target: -march=armv8\.2-a\+fp16\+dotprod$"]

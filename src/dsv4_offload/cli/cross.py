@@ -128,7 +128,7 @@ def cmd_cmake(args: argparse.Namespace) -> int:
     defines = crossbuild.kt_kernel_defines(
         env, output_dir=Path(args.output).resolve(), python_executable=launcher,
         python_include_dir=include)
-    _say(f"-- toolchain file: {toolchain}")
+    _say(f"toolchain file: {toolchain}")
     _run_env(["cmake", "-S", str(source), "-B", str(build_dir),
               f"-DCMAKE_TOOLCHAIN_FILE={toolchain}", *defines, *args.extra], env)
     _run_env(["cmake", "--build", str(build_dir), "--parallel", crossbuild.parallel_jobs(env)],
