@@ -50,6 +50,20 @@ LIBRARY_FIXES = {
              "and the 910B sglang image ships none",
     "numa": "apt-get install libnuma-dev (yum install numactl-devel)",
 }
+# a recipe that cross-builds for aarch64 (dsv4-flash-arm-rehearsal) runs the tool's own steps
+CROSS_STEP_MODULE = "dsv4_offload.cli.cross"
+CROSS_TOOL_FIXES = {
+    "dpkg": "the arm64 sysroot is made of Debian packages (apt-get download, dpkg -x): use a "
+            "Debian or Ubuntu machine",
+    "apt-get": "the arm64 sysroot is made of Debian packages (apt-get download, dpkg -x): use a "
+               "Debian or Ubuntu machine",
+    "pkg-config": "apt-get install pkg-config (kt-kernel's CMake finds hwloc through it)",
+    "cmake": "apt-get install cmake",
+    "qemu-aarch64": "apt-get install qemu-user (qemu-user-static binfmt-support also let "
+                    "aarch64 programs run directly): it runs the aarch64 python for CMake and "
+                    "the self-test",
+}
+BINFMT_DIR = "proc/sys/fs/binfmt_misc"
 DRIVER_FIX = (
     "install the Ascend NPU driver and firmware for this card so `npu-smi info` works; in a "
     "container add --device /dev/davinciN --device /dev/davinci_manager --device /dev/devmm_svm "
@@ -85,6 +99,7 @@ def probe(ctx: StageContext) -> HostFacts:
     recipe = ctx.recipe
     tools = [t for t in (recipe.platform.cc, recipe.platform.cxx) if t]
     tools += [t for t in recipe.host.tools if t not in ("gcc", "g++")]
+    tools += cross_tools(recipe)
     return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.python],
                       device_nodes=recipe.host.npu_device_nodes)
 
@@ -350,7 +365,8 @@ def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
         ok = version_at_least(version, minimum)
         fix = TOOL_FIXES.get(tool, f"install {binary} >= {minimum}")
         if tool in ("gcc", "g++") and binary != tool:
-            fix = f"apt-get install {recipe.platform.cc} {recipe.platform.cxx}"
+            fix = "apt-get install " + " ".join(
+                compiler_package(c) for c in (recipe.platform.cc, recipe.platform.cxx) if c)
         checks.append(Check(
             binary, OK if ok else FAIL, version or "not found", f">= {minimum}",
             "" if ok else fix,
@@ -365,6 +381,65 @@ def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
     return checks
 
 
+def compiler_package(binary: str) -> str:
+    """Debian's package of a compiler: gcc-13 is itself, aarch64-linux-gnu-g++ is
+    g++-aarch64-linux-gnu."""
+    triple, _, kind = binary.rpartition("-")
+    if kind in ("gcc", "g++") and "-linux-" in triple:
+        return f"{kind}-{triple}"
+    return binary
+
+
+def cross_tools(recipe: Recipe) -> list[str]:
+    """The programs a recipe's cross-build steps call (none for a native recipe)."""
+    tools: list[str] = []
+    for step in recipe.build.steps:
+        if CROSS_STEP_MODULE not in step.command:
+            continue
+        if "sysroot" in step.command:
+            tools += ["dpkg", "apt-get"]
+        if "cmake" in step.command:
+            emulator = next((a.split("=", 1)[1] for a in step.command
+                             if a.startswith("--emulator=")), "qemu-aarch64")
+            tools += ["pkg-config", emulator]
+    return list(dict.fromkeys(tools))
+
+
+def binfmt_state(root: str, name: str = "qemu-aarch64") -> str:
+    """'enabled', 'disabled' or 'absent': whether the kernel runs aarch64 ELF files itself."""
+    from pathlib import Path
+
+    try:
+        text = (Path(root) / BINFMT_DIR / name).read_text(encoding="utf-8")
+    except OSError:
+        return "absent"
+    return parse_binfmt_entry(text)
+
+
+def parse_binfmt_entry(text: str) -> str:
+    """The first line of a /proc/sys/fs/binfmt_misc entry says enabled or disabled."""
+    first = text.strip().splitlines()[0].strip() if text.strip() else ""
+    return first if first in ("enabled", "disabled") else "absent"
+
+
+def check_cross(recipe: Recipe, facts: HostFacts, binfmt: str = "absent") -> list[Check]:
+    """What a cross build and an emulated self-test need on this machine."""
+    tools = cross_tools(recipe)
+    checks = []
+    for tool in tools:
+        version = facts.tools.get(tool)
+        checks.append(Check(f"cross-{tool}", OK if version else FAIL, version or "not found",
+                            f"{tool} (cross build for aarch64)",
+                            "" if version else CROSS_TOOL_FIXES.get(tool, f"install {tool}")))
+    if tools:
+        checks.append(Check(
+            "binfmt-aarch64", OK if binfmt == "enabled" else WARN, binfmt,
+            "optional: aarch64 ELF files run directly",
+            "" if binfmt == "enabled" else "nothing is needed (dsv4-offload calls qemu-aarch64 "
+            "itself); for direct runs: apt-get install qemu-user-static binfmt-support"))
+    return checks
+
+
 def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
              ) -> tuple[list[Check], NpuInfo | None]:
     """All checks of the recipe's host section against these facts (pure: no probing)."""
@@ -376,6 +451,8 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
     checks.append(check_device_nodes(recipe, facts, chosen))
     checks.append(check_cann(recipe, facts))
     checks += check_toolchain(recipe, facts)
+    checks += check_cross(recipe, facts, binfmt_state(facts.root) if cross_tools(recipe)
+                          else "absent")
     return checks, chosen
 
 
