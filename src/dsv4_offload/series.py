@@ -278,6 +278,13 @@ def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path,
              zero_context: bool = False) -> Classification:
     """clean / offset / fuzz / fails / already-upstream, without changing the tree."""
     zero = ["--unidiff-zero"] if zero_context else []
+    if zero_context:
+        # pure additions without context apply forward anywhere, even twice: only the
+        # reverse (removing exactly those lines there) tells an applied patch
+        rev = _git(repo_dir, ["apply", "--check", "--reverse", f"-p{strip}", *zero,
+                              str(patch_file)], log, check=False)
+        if rev.returncode == 0:
+            return Classification(UPSTREAM, "already in the tree (applies in reverse)")
     fwd = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", *zero, str(patch_file)], log,
                check=False)
     if fwd.returncode == 0:
