@@ -293,3 +293,19 @@ def test_a_doctor_run_probes_the_host_once(monkeypatch: pytest.MonkeyPatch,
     assert record["status"] == "done"
     assert record["fingerprint"]["input.host.npu"] == doctor.fingerprint_inputs(
         context(tmp_path))["host.npu"]
+
+
+def test_x86_dev_recipe_checks_the_build_needs_and_nothing_of_the_npu(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    result, checks = run_on(monkeypatch, tmp_path, "x86-no-npu", "dsv4-flash-x86-dev")
+    names = set(checks)
+    assert not names & {"npu-smi", "npu-model", "npu-health", "npu-hbm", "npu-hbm-free",
+                        "device-nodes", "cann", "docker"}
+    assert checks["arch"]["status"] == "ok" and checks["numa"]["status"] == "skip"
+    assert {"cmake", "g++", "libhwloc", "libnuma", "pkg-config", "hwloc.pc", "py-numpy",
+            "py-setuptools"} <= names
+    assert checks["g++"]["required"] == ">= 10.0"  # C++20
+    # a captured sysroot cannot import modules: reported as failing, with the install line
+    assert checks["py-setuptools"]["status"] == "fail"
+    assert "-m pip install 'setuptools>=77'" in checks["py-setuptools"]["fix"]
+    assert checks["hwloc.pc"]["fix"].startswith("apt-get install libhwloc-dev")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from conftest import CLI
 
-ALL = ["doctor", "fetch", "patch", "build", "download", "convert", "verify-gguf", "serve",
-       "accept"]
+ALL = ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
+       "serve", "accept"]
 
 
 @pytest.fixture
@@ -90,12 +90,12 @@ def test_killed_run_resumes_from_the_interrupted_stage(cli, ws: Path, fake_stage
         proc.wait()
     st = states(cli, ws, fake_stages_env)
     assert st["convert"]["state"] == "interrupted"
-    assert [st[s]["state"] for s in ALL[:5]] == ["done"] * 5
-    assert [st[s]["state"] for s in ALL[6:]] == ["pending"] * 3
+    assert [st[s]["state"] for s in ALL[:6]] == ["done"] * 6
+    assert [st[s]["state"] for s in ALL[7:]] == ["pending"] * 3
     behave(ws, "convert", None)
     res = cli("-w", str(ws), "run", env=fake_stages_env)
     assert res.code == 0, res
-    assert ran(ws) == ALL[:6] + ALL[5:]  # convert again, then the rest, nothing before it
+    assert ran(ws) == ALL[:7] + ALL[6:]  # convert again, then the rest, nothing before it
 
 
 def test_recipe_change_makes_exactly_the_dependents_stale(cli, ws: Path, fake_stages_env) -> None:
@@ -107,7 +107,7 @@ def test_recipe_change_makes_exactly_the_dependents_stale(cli, ws: Path, fake_st
     other = "1" * 40
     st = states(cli, ws, fake_stages_env, "--set", f"sources.1.commit={other}")
     stale = [s for s in ALL if st[s]["state"] == "stale"]
-    assert stale == ["fetch", "patch", "build", "serve", "accept"]
+    assert stale == ["fetch", "patch", "build", "selftest", "serve", "accept"]
     assert "recipe.sources[sglang].commit" in st["fetch"]["reason"]
     assert "stage.fetch" in st["patch"]["reason"]
 
@@ -117,7 +117,7 @@ def test_recipe_change_makes_exactly_the_dependents_stale(cli, ws: Path, fake_st
     # running with the change reruns exactly those stages
     res = cli("-w", str(ws), "--set", f"sources.1.commit={other}", "run", env=fake_stages_env)
     assert res.code == 0, res
-    assert ran(ws)[len(ALL):] == ["fetch", "patch", "build", "serve", "accept"]
+    assert ran(ws)[len(ALL):] == ["fetch", "patch", "build", "selftest", "serve", "accept"]
 
 
 def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_env) -> None:

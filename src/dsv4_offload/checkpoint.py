@@ -378,11 +378,14 @@ def write_safetensors(path: Path, tensors: Iterable[TensorSpec]) -> None:
         tmp.unlink(missing_ok=True)  # only there when writing failed
 
 
-def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterator[TensorSpec]:
+def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0,
+                            exponents: tuple[int, int] | None = None) -> Iterator[TensorSpec]:
     """A layer's expert tensors with the real names, dtypes and shapes and random content.
 
     Codes cover all 256 byte values; exponents are drawn around 2^0 with a few extremes, so
     every E2M1 code and a wide range of scales is exercised. Deterministic for (seed, layer).
+    ``exponents`` (lo, hi) draws every E8M0 byte in [lo, hi) instead, without extremes: the
+    selftest's layer, whose MoE output must stay finite in bf16.
     """
     import numpy as np
 
@@ -394,10 +397,11 @@ def synthetic_layer_tensors(dims: MoeDims, layer: int, seed: int = 0) -> Iterato
             for kind in ("weight", "scale"):
                 dtype, shape = expected_expert_tensor(dims, projection, kind)
                 yield TensorSpec(expert_key(layer, expert, projection, kind), dtype, shape,
-                                 _random_bytes(rng_seed, kind, shape))
+                                 _random_bytes(rng_seed, kind, shape, exponents))
 
 
-def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int]) -> Callable[[], bytes]:
+def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int],
+                  exponents: tuple[int, int] | None = None) -> Callable[[], bytes]:
     def make() -> bytes:
         import numpy as np
 
@@ -405,6 +409,8 @@ def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int]) -> C
         n = shape[0] * shape[1]
         if kind == "weight":
             return rng.bytes(n)
+        if exponents is not None:
+            return rng.integers(exponents[0], exponents[1], n, dtype=np.uint8).tobytes()
         exps = rng.integers(112, 143, n, dtype=np.uint8)
         exps[rng.integers(0, n, max(1, n // 512))] = rng.choice([0, 1, 2, 200, 250], 1)[0]
         return exps.tobytes()
@@ -412,7 +418,8 @@ def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int]) -> C
 
 
 def write_synthetic_checkpoint(root: Path, dims: MoeDims, seed: int = 0,
-                               layers: Iterable[int] | None = None) -> Path:
+                               layers: Iterable[int] | None = None,
+                               exponents: tuple[int, int] | None = None) -> Path:
     """A native-layout MXFP4 checkpoint (config, index, one shard per layer) under `root`."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -420,7 +427,7 @@ def write_synthetic_checkpoint(root: Path, dims: MoeDims, seed: int = 0,
     weight_map: dict[str, str] = {}
     for i, layer in enumerate(todo):
         shard = f"model-{i + 1:05d}-of-{len(todo):05d}.safetensors"
-        specs = list(synthetic_layer_tensors(dims, layer, seed))
+        specs = list(synthetic_layer_tensors(dims, layer, seed, exponents))
         write_safetensors(root / shard, specs)
         weight_map.update({s.name: shard for s in specs})
     config = {"architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4",

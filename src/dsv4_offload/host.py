@@ -10,6 +10,7 @@ so a whole host can be replayed from a directory. A captured sysroot may also ho
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
@@ -45,6 +46,9 @@ LIBRARY_PROBES: dict[str, tuple[str, str]] = {
 _LIB_DIRS = ("usr/lib", "usr/lib64", "lib", "lib64", "usr/local/lib", "usr/local/lib64",
              "usr/lib/aarch64-linux-gnu", "usr/lib/x86_64-linux-gnu")
 _INCLUDE_DIRS = ("usr/include", "usr/local/include")
+_PKG_CONFIG_DIRS = ("usr/lib/pkgconfig", "usr/lib64/pkgconfig", "usr/share/pkgconfig",
+                    "usr/local/lib/pkgconfig", "usr/lib/x86_64-linux-gnu/pkgconfig",
+                    "usr/lib/aarch64-linux-gnu/pkgconfig")
 _BIN_DIRS = ("usr/local/sbin", "usr/local/bin", "usr/sbin", "usr/bin", "sbin", "bin",
              "usr/local/Ascend/driver/tools")
 _COMMAND_TIMEOUT_S = 60.0  # npu-smi can take tens of seconds on a loaded 8-NPU host
@@ -116,6 +120,9 @@ class HostFacts:
     numa_cpulists: dict[int, str] = field(default_factory=dict)  # node -> "0-23"
     npu_driver: str | None = None  # the version npu-smi prints in its banner
     root: str = "/"  # the sysroot the facts were read from ("/" = this machine)
+    pkg_config: dict[str, bool] = field(default_factory=dict)  # module -> its .pc found
+    # "python: module" -> version (None: does not import), for the recipe's build python
+    python_modules: dict[str, str | None] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able facts, for reports and provenance."""
@@ -439,6 +446,45 @@ def _probe_libraries(root: Path) -> dict[str, bool]:
     return found
 
 
+def _probe_pkg_config(root: Path, modules: Iterable[str]) -> dict[str, bool]:
+    """Whether each module's ``.pc`` file is where pkg-config looks by default."""
+    return {m: any(_under(root, d).joinpath(f"{m}.pc").is_file() for d in _PKG_CONFIG_DIRS)
+            for m in modules}
+
+
+_MODULE_VERSIONS = (
+    "import importlib, importlib.metadata as md, json, sys\n"
+    "out = {}\n"
+    "for name in sys.argv[1:]:\n"
+    "    try:\n"
+    "        importlib.import_module(name)\n"
+    "    except Exception:\n"
+    "        out[name] = None\n"
+    "        continue\n"
+    "    try:\n"
+    "        out[name] = md.version(name)\n"
+    "    except Exception:\n"
+    "        out[name] = '0'\n"
+    "print(json.dumps(out))\n"
+)
+
+
+def _probe_python_modules(python: str | None, modules: list[str], search: str,
+                          env: Mapping[str, str]) -> dict[str, str | None]:
+    """module -> version for what ``python`` imports (None: it does not, or no python)."""
+    exe = shutil.which(python, path=search) if python else None
+    if not modules:
+        return {}
+    if exe is None:
+        return dict.fromkeys(modules)
+    code, out = _run_capture([exe, "-c", _MODULE_VERSIONS, *modules], env)
+    try:
+        found = json.loads(out.strip().splitlines()[-1]) if code == 0 else {}
+    except (ValueError, IndexError):
+        found = {}
+    return {m: found.get(m) for m in modules}
+
+
 def _probe_disk(root: Path, workspace: Path | None) -> int | None:
     if root != Path("/"):
         captured = _read(root / CAPTURED_DF_FILE)
@@ -456,10 +502,14 @@ def _probe_disk(root: Path, workspace: Path | None) -> int | None:
 def probe_host(workspace: Path | None = None, *, root: Path | None = None,
                npu_smi: list[str] | None = None, env: Mapping[str, str] | None = None,
                tools: Iterable[str] = (), pythons: Iterable[str] = (),
-               device_nodes: Iterable[str] = ()) -> HostFacts:
+               device_nodes: Iterable[str] = (), pkg_config: Iterable[str] = (),
+               python_modules: Iterable[str] = (), modules_python: str | None = None
+               ) -> HostFacts:
     """Read this host's facts (or a captured sysroot's: `root`, env DSV4_HOST_ROOT).
 
-    `tools`, `pythons` and `device_nodes` add names to the default probes (e.g. gcc-13).
+    `tools`, `pythons` and `device_nodes` add names to the default probes (e.g. gcc-13);
+    `pkg_config` modules are looked up as .pc files, `python_modules` imported by
+    `modules_python` (this machine only).
     """
     env = dict(os.environ if env is None else env)
     if root is None:
@@ -519,4 +569,7 @@ def probe_host(workspace: Path | None = None, *, root: Path | None = None,
         numa_cpulists=numa,
         npu_driver=driver,
         root=str(root),
+        pkg_config=_probe_pkg_config(root, pkg_config),
+        python_modules=_probe_python_modules(modules_python if live else None,
+                                             list(python_modules), search, env),
     )

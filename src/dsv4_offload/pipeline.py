@@ -46,6 +46,9 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
     StageSpec("build", ("patch",), ("build", "platform"), summary="kt-kernel, gguf-py, sglang"),
+    # before the downloads: a bad build stops `run` before hours of transfers
+    StageSpec("selftest", ("build",), ("selftest",),
+              summary="kt-kernel MXFP4 MoE vs a numpy reference"),
     StageSpec("download", (), ("weights",), summary="W8A8 and MXFP4 weights"),
     StageSpec(
         "convert",
@@ -173,8 +176,24 @@ def _pid_alive(pid: Any) -> bool:
     return True
 
 
+NOT_APPLICABLE = "n/a"
+
+
+def not_applicable_reason(ctx: StageContext, name: str) -> str | None:
+    """Why the recipe leaves this stage out (its ``not_applicable`` list), or None."""
+    if name not in ctx.recipe.not_applicable:
+        return None
+    last = next((s for s in reversed(STAGE_NAMES) if s not in ctx.recipe.not_applicable),
+                STAGE_NAMES[0])
+    return (f"not applicable to recipe '{ctx.recipe.name}' (its not_applicable list); "
+            f"its pipeline ends at {last}: `run --to {last}`")
+
+
 def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
                  memo: dict[str, dict[str, str]] | None = None) -> StageStatus:
+    why_not = not_applicable_reason(ctx, stage.name)
+    if why_not:
+        return StageStatus(stage.name, NOT_APPLICABLE, why_not, summary=stage.summary)
     record = state.get("stages", {}).get(stage.name)
     if not record:
         return StageStatus(stage.name, "pending", summary=stage.summary)
@@ -222,6 +241,9 @@ def _sub_context(ctx: StageContext, stage: str, options: dict[str, Any] | None =
 def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
     """Run one stage now (the caller holds the lock) and record the outcome."""
     stage = spec(name)
+    why_not = not_applicable_reason(ctx, name)
+    if why_not:
+        raise InputError(f"stage '{name}' is {why_not}")
     module = _load_module(stage)
     if module is None or not hasattr(module, "run"):
         raise NotImplementedStage(
@@ -318,7 +340,9 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
             items.append(PlanItem(s.name, "run", "forced"))
             continue
         st = stage_status(ctx, s, state, memo)
-        if st.state == "done":
+        if st.state == NOT_APPLICABLE:
+            items.append(PlanItem(s.name, "skip", st.reason))
+        elif st.state == "done":
             items.append(PlanItem(s.name, "skip", "done, inputs unchanged"))
         else:
             items.append(PlanItem(s.name, "run", st.reason or st.state))
@@ -346,6 +370,11 @@ def run_pipeline(
     for stage in stage_range(start, stop, force):
         # each stage is planned at its turn: one that just ran changes its dependents'
         # fingerprints, and planning all of them up front would fingerprint twice
+        if not_applicable_reason(ctx, stage.name):
+            # a recipe that ends early (x86 development) passes these; `status` says why
+            if on_stage:
+                on_stage(stage.name, NOT_APPLICABLE)
+            continue
         current = plan(ctx, stage.name, stage.name, force)[0]
         if current.action == "skip":
             skipped.append(stage.name)

@@ -140,7 +140,9 @@ class PatchEntry(Strict):
     origin: PatchOrigin
     sha256: Sha256
     strip: int = Field(1, ge=0, le=5)
-    method: Literal["plain", "mbox"]
+    # unidiff-zero: a diff of pure additions without context lines (`@@ -N,0 +M,K @@`), our
+    # own patches' form, so they hold only lines we wrote; `git apply --unidiff-zero`
+    method: Literal["plain", "mbox", "unidiff-zero"]
     upstream: Literal["not-submitted", "submitted", "merged", "local"] = "not-submitted"
     description: str = Field(min_length=1)
 
@@ -363,6 +365,52 @@ class Acceptance(Strict):
         return self
 
 
+# --- selftest ------------------------------------------------------------------------------
+
+
+class SelftestEmulator(Strict):
+    """Run the self-test's child under a user-mode emulator (an aarch64 build on x86)."""
+
+    command: str = "qemu-aarch64"
+    cpu: str = Field("cortex-a76", description="qemu -cpu model (cortex-a76: Kunpeng-920 class)")
+    sysroot: RelPath = Field(description="the guest's root (qemu -L), relative to the workspace")
+    python: RelPath = Field(description="the guest python, inside the sysroot")
+    pythonpath: list[str] = Field(
+        [], description="extra PYTHONPATH entries (numpy...), relative to the workspace unless "
+        "absolute; kt-kernel's python dir comes first by itself")
+
+
+class Selftest(Strict):
+    """A tiny synthetic MXFP4 MoE layer through kt-kernel against a numpy reference."""
+
+    experts: int = Field(8, gt=0)
+    hidden: int = Field(256, gt=0)
+    intermediate: int = Field(256, gt=0)
+    top_k: int = Field(2, gt=0)
+    tokens: list[int] = Field([4, 16], min_length=1, description="one forward per entry")
+    min_cosine: float = Field(0.9995, gt=0, le=1)
+    max_rel_l2: float = Field(0.03, gt=0, description="activations go through Q8_0: ~1-1.5 %")
+    timeout_s: float = Field(120, gt=0, description="per forward, import and load included")
+    threads: int = Field(1, gt=0)
+    seed: int = Field(0, ge=0)
+    api: Literal["auto", "low-level", "wrapper"] = Field(
+        "auto", description="auto: KTMoEWrapper where torch_npu imports, else the low-level API")
+    emulator: SelftestEmulator | None = None
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Selftest:
+        # kt-kernel: MXFP4 blocks of 32 along K, m_block 32 task split (utils/llamafile.py)
+        for label, value in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            if value % 32:
+                raise ValueError(f"{label} {value} must be a multiple of 32 (MXFP4 block and "
+                                 "kt-kernel's m_block)")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} must be <= experts {self.experts}")
+        if any(t <= 0 for t in self.tokens):
+            raise ValueError("tokens must be positive counts, e.g. [4, 16]")
+        return self
+
+
 # --- host ----------------------------------------------------------------------------------
 
 
@@ -375,13 +423,17 @@ class Host(Strict):
     memory_recommended_gib: float = Field(256, gt=0)
     disk_min_gib: float = Field(415, gt=0)
     disk_recommended_gib: float = Field(600, gt=0)
-    npu_models: list[str] = Field(min_length=1)
+    npu_models: list[str] = Field(
+        description="NPU models the recipe serves on; [] for a recipe without an NPU (its "
+        "doctor then checks no NPU, device node or CANN)")
     hbm_min_gib: float = Field(32, gt=0)
     npu_device_nodes: list[str] = []
     cann_min_version: str = "8.5.0"
     python: str = "3.11"
     tools: dict[str, str] = Field({}, description="tool -> minimum version")
     libraries: list[str] = ["hwloc", "numa"]
+    pkg_config: list[str] = Field([], description="modules `pkg-config --exists` must find")
+    python_modules: list[str] = Field([], description="modules the build python must import")
     docker: Literal["required", "recommended", "unused"] = "recommended"
 
 
@@ -411,6 +463,13 @@ class Recipe(Strict):
     serve: Serve
     acceptance: Acceptance
     host: Host
+    selftest: Selftest = Selftest()
+    series_targets: list[Name] = Field(
+        [], description="apply only the series' patches for these sources ([]: all of them); "
+        "a recipe without sglang can still take the delivery's whole series")
+    not_applicable: list[str] = Field(
+        [], description="pipeline stages that make no sense for this recipe (e.g. an x86 "
+        "development recipe ends at selftest): `run` passes them, running them says why")
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:
@@ -423,6 +482,16 @@ class Recipe(Strict):
         for s in self.sources:
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
+        from dsv4_offload.pipeline import STAGE_NAMES  # the pipeline owns the stage names
+
+        missing = [t for t in self.series_targets if t not in names]
+        if missing:
+            raise ValueError(f"series_targets: '{missing[0]}' is not a source name; use one "
+                             f"of {names}")
+        unknown = [n for n in self.not_applicable if n not in STAGE_NAMES]
+        if unknown:
+            raise ValueError(f"not_applicable: '{unknown[0]}' is not a stage; stages are "
+                             f"{', '.join(STAGE_NAMES)}")
         manifest = self.conversion.digests_manifest
         if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")
@@ -810,7 +879,10 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
         raise _first_error(str(path), doc, exc) from None
     if recipe is not None:
         names = [s.name for s in recipe.sources]
+        wanted = recipe.series_targets
         for i, patch in enumerate(series.patches):
+            if wanted and patch.target not in wanted:
+                continue  # a target this recipe does not build (checked below as a whole)
             where = _where(str(path), _line_of(doc, ("patches", i)))
             for field, ref in (("target", patch.target), ("origin.source", patch.origin.source)):
                 if ref is not None and ref not in names:
@@ -823,6 +895,12 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
                 own = (path.parent / patch.origin.file).resolve()
                 if not own.is_relative_to(path.parent.resolve()):
                     raise InputError(f"{where}: patches[{i}].origin.file escapes the series dir")
+        if wanted:
+            kept = [p for p in series.patches if p.target in wanted]
+            if not kept:
+                raise InputError(f"{path}: no patch of series '{series.name}' targets "
+                                 f"{wanted} (recipe '{recipe.name}' series_targets); check both")
+            series = series.model_copy(update={"patches": kept})
     object.__setattr__(series, "_path", path)
     return series
 

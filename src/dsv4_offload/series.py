@@ -116,6 +116,12 @@ def load_patch(entry: PatchEntry, recipe: Recipe, series: Series,
                          f"expects {entry.sha256}; nothing was changed. Restore the file, or if "
                          "the change is intended run `dsv4-offload patch refresh` / update "
                          "its sha256")
+    if entry.method == "unidiff-zero":
+        problem = zero_context_problem(data)
+        if problem:
+            raise InputError(f"patch '{entry.name}' ({where}): method unidiff-zero needs a diff "
+                             f"of pure additions without context: {problem}; regenerate it "
+                             "with `git diff -U0` of additions only")
     return LoadedPatch(entry, data, label)
 
 
@@ -134,6 +140,47 @@ def series_targets(series: Series, only: Sequence[str] | None = None) -> list[st
                              f"use one of {targets}")
         targets = [t for t in targets if t in only]
     return targets
+
+
+# --- zero-context patches (ours) -----------------------------------------------------------
+
+_ZERO_HUNK = re.compile(r"^@@ -\d+,0 \+\d+(?:,(\d+))? @@(.*)$")
+
+
+def zero_context_problem(data: bytes) -> str | None:
+    """Why a patch is not a diff of pure additions without context (None when it is one)."""
+    hunks = 0
+    left = 0  # '+' lines still due in the current hunk
+    for number, line in enumerate(data.decode("utf-8", "replace").splitlines(), 1):
+        if left:
+            if not line.startswith("+"):
+                kind = "a removal" if line.startswith("-") else "a context line"
+                return f"line {number}: {kind} ('{line[:40]}'); only '+' lines are allowed"
+            left -= 1
+            continue
+        if line.startswith("@@"):
+            m = _ZERO_HUNK.match(line)
+            if m is None:
+                return (f"line {number}: hunk '{line[:40]}' has context or removes lines "
+                        "(need '@@ -N,0 +M,K @@')")
+            if m.group(2).strip():
+                return f"line {number}: the hunk header carries upstream text after '@@'"
+            left = int(m.group(1) or 1)
+            hunks += 1
+        elif line.startswith((" ", "-")) and not line.startswith("--- "):
+            kind = "a removal" if line.startswith("-") else "a context line"
+            return f"line {number}: {kind} outside a hunk ('{line[:40]}')"
+    if left:
+        return f"the last hunk ends {left} line(s) early"
+    return None if hunks else "no hunks found"
+
+
+def apply_flags(entry: PatchEntry) -> list[str]:
+    """`git apply` options of an entry: the strip level, and --unidiff-zero for ours."""
+    flags = [f"-p{entry.strip}"]
+    if entry.method == "unidiff-zero":
+        flags.append("--unidiff-zero")
+    return flags
 
 
 # --- git operations on one tree ------------------------------------------------------------
@@ -170,6 +217,7 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
               env: dict[str, str]) -> None:
     """One patch as one commit: ``git am --3way`` for mail format, else ``git apply --index``."""
     strip = f"-p{patch.entry.strip}"
+    flags = apply_flags(patch.entry)
     if patch.entry.method == "mbox":
         _git(repo_dir, [*NO_HOOKS, "am", "-q", "--3way", strip, str(patch_file)], log, env)
         amend = ["commit", "-q", "--amend", "--no-edit", "--no-verify"]
@@ -177,7 +225,7 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
             amend += ["--trailer", t]
         _git(repo_dir, [*NO_HOOKS, *amend], log, env)
     else:
-        _git(repo_dir, [*NO_HOOKS, "apply", "--index", strip, str(patch_file)], log, env)
+        _git(repo_dir, [*NO_HOOKS, "apply", "--index", *flags, str(patch_file)], log, env)
         message = patch_file.with_suffix(".msg")  # beside the patch, in the caller's temp dir
         message.write_text(commit_message(patch), encoding="utf-8")
         _git(repo_dir, [*NO_HOOKS, "commit", "-q", "--no-verify", "-F", str(message)], log, env)
@@ -201,10 +249,12 @@ def rollback(repo_dir: Path, to: str, log: Path) -> None:
     _git(repo_dir, ["reset", "-q", "--hard", to], log)
 
 
-def rejected_hunks(repo_dir: Path, patch_file: Path, strip: int, log: Path) -> list[str]:
+def rejected_hunks(repo_dir: Path, patch_file: Path, strip: int, log: Path,
+                   zero_context: bool = False) -> list[str]:
     """``file:line`` of each hunk (or file) ``git apply`` rejects."""
-    result = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", str(patch_file)], log,
-                  check=False)
+    zero = ["--unidiff-zero"] if zero_context else []
+    result = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", *zero, str(patch_file)],
+                  log, check=False)
     out: list[str] = []
     for line in result.tail:
         m = _HUNK_FAILED.match(line.strip())
@@ -224,9 +274,18 @@ class Classification:
     hunks: list[str] = field(default_factory=list)  # rejected (fails) or moved (offset/fuzz)
 
 
-def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path) -> Classification:
+def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path,
+             zero_context: bool = False) -> Classification:
     """clean / offset / fuzz / fails / already-upstream, without changing the tree."""
-    fwd = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", str(patch_file)], log,
+    zero = ["--unidiff-zero"] if zero_context else []
+    if zero_context:
+        # pure additions without context apply forward anywhere, even twice: only the
+        # reverse (removing exactly those lines there) tells an applied patch
+        rev = _git(repo_dir, ["apply", "--check", "--reverse", f"-p{strip}", *zero,
+                              str(patch_file)], log, check=False)
+        if rev.returncode == 0:
+            return Classification(UPSTREAM, "already in the tree (applies in reverse)")
+    fwd = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", *zero, str(patch_file)], log,
                check=False)
     if fwd.returncode == 0:
         moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
@@ -234,12 +293,13 @@ def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path) -> Classif
         if moved:
             return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
         return Classification(CLEAN)
-    rev = _git(repo_dir, ["apply", "--check", "--reverse", f"-p{strip}", str(patch_file)], log,
-               check=False)
+    rev = _git(repo_dir, ["apply", "--check", "--reverse", f"-p{strip}", *zero, str(patch_file)],
+               log, check=False)
     if rev.returncode == 0:
         return Classification(UPSTREAM, "already in the tree (applies in reverse)")
-    hunks = rejected_hunks(repo_dir, patch_file, strip, log)
-    gnu = _gnu_patch(repo_dir, patch_file, strip, log, dry_run=True)
+    hunks = rejected_hunks(repo_dir, patch_file, strip, log, zero_context)
+    # without context lines there is nothing to fuzz: GNU patch would only guess a place
+    gnu = None if zero_context else _gnu_patch(repo_dir, patch_file, strip, log, dry_run=True)
     if gnu is not None and gnu.returncode == 0:
         fuzzed = [f"hunk {m.group(1)} at {m.group(2)} (fuzz {m.group(4)})"
                   for m in map(_GNU_FUZZ.search, gnu.tail) if m]
@@ -370,8 +430,9 @@ def apply_target(repo_dir: Path, source: Source, patches: list[LoadedPatch], log
                     # earlier ones), then roll back
                     if am_in_progress(repo_dir):
                         _git(repo_dir, ["am", "--abort"], log, check=False)
-                    outcome.rejected = rejected_hunks(repo_dir, patch_file, current.entry.strip,
-                                                      log)
+                    outcome.rejected = rejected_hunks(
+                        repo_dir, patch_file, current.entry.strip, log,
+                        current.entry.method == "unidiff-zero")
                     rollback(repo_dir, before, log)
                     outcome.status, outcome.failed_patch = "failed", current.entry.name
                     outcome.message = (f"patch '{current.entry.name}' does not apply to "
@@ -510,6 +571,13 @@ def regenerate(repo_dir: Path, commit: str, entry: PatchEntry) -> bytes:
         head, sep, rest = text.partition(b"\n---\n")
         head = re.sub(rb"\n(?:Dsv4-Patch[\w-]*: [^\n]*\n?)+", b"\n", head).rstrip(b"\n") + b"\n"
         return head + sep + rest if sep else text
+    if entry.method == "unidiff-zero":
+        text = gitsrc.git_bytes(repo_dir, "diff", "--no-color", "--no-ext-diff", "-U0",
+                                *prefixes, f"{commit}^", commit)
+        # keep only lines we wrote: no index line, no upstream function text in hunk headers
+        lines = [re.sub(rb"^(@@ [^@]+ @@).*$", rb"\1", line)
+                 for line in text.split(b"\n") if not line.startswith(b"index ")]
+        return b"\n".join(lines)
     return gitsrc.git_bytes(repo_dir, "diff", "--no-color", "--no-ext-diff", *prefixes,
                             f"{commit}^", commit)
 
@@ -638,7 +706,7 @@ def _check_one(tree: Path, patch: LoadedPatch, base: str, tmp: Path, log: Path,
                env: dict[str, str]) -> CheckRow:
     start = time.monotonic()
     patch_file = patch.write_to(tmp)
-    c = classify(tree, patch_file, patch.entry.strip, log)
+    c = classify(tree, patch_file, patch.entry.strip, log, patch.entry.method == "unidiff-zero")
     # apply what can be applied so the next patches see the tree they expect
     if c.status in (CLEAN, OFFSET):
         try:

@@ -23,7 +23,7 @@ app = typer.Typer(
     name="dsv4-offload",
     help=(
         "From a bare Kunpeng-920 + Ascend NPU host to a verified DeepSeek-V4-Flash server.\n\n"
-        "Stages, in order: doctor, fetch, patch, build, download, convert, verify-gguf, "
+        "Stages, in order: doctor, fetch, patch, build, selftest, download, convert, verify-gguf, "
         "serve, accept. `run` goes through them, skipping what is done; `status` tells "
         "what is done, stale (and why), failed or pending."
     ),

@@ -17,6 +17,7 @@ def register(app: typer.Typer) -> None:
     app.command("run")(run)
     app.command("status")(status)
     app.command("doctor")(doctor)
+    app.command("selftest")(selftest)
 
 
 def run(
@@ -57,7 +58,8 @@ def run(
 
     def announce(stage: str, action: str) -> None:
         if not g.json and not g.quiet:
-            verb = "skip (done)" if action == "skip" else "run"
+            verb = {"skip": "skip (done)", "n/a": "not applicable to this recipe"}.get(
+                action, "run")
             console().print(f"[bold]{stage}[/bold]: {verb}")
 
     with pctx.workspace.lock("run"):
@@ -100,3 +102,15 @@ def doctor(
 ) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
     run_stage(ctx, "doctor", {"device": device})
+
+
+def selftest(ctx: typer.Context) -> None:
+    """kt-kernel's MXFP4 MoE on a tiny synthetic layer, checked against numpy.
+
+    1. Write a small MXFP4 layer with this tool's converter (recipe `selftest:` dims).
+    2. For each token count (<10: forward_one, >=10: forward_many) run one forward of the
+       built kt-kernel in a child process with a timeout (emulated when the recipe says so).
+    3. Pass only if cosine and rel-L2 against the numpy reference hold; a crash, a hang or
+       all zeros fails with the reason and the fix.
+    """
+    run_stage(ctx, "selftest", {})

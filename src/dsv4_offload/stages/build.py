@@ -73,6 +73,10 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
      r"configuration file provided by \"pybind11\"",
      "the pybind11 submodule is missing: run `dsv4-offload fetch` (it takes pybind11 at the "
      "pinned commit)"),
+    (r"`project\.license` must be valid exactly by one definition",
+     "the build python's setuptools is too old for kt-kernel's pyproject.toml (its SPDX "
+     "`license = \"Apache-2.0\"` needs setuptools >= 77): <build python> -m pip install -U "
+     "'setuptools>=77', or build with a venv's python (--set build.python=...)"),
     (r"externally-managed-environment",
      "this python refuses pip installs (PEP 668): build with a venv's or the image's python "
      "(--python PATH)"),

@@ -45,6 +45,9 @@ TOOL_FIXES = {
     "docker": "install Docker Engine (apt-get install docker.io) and add your user to the "
               "docker group",
 }
+PKG_CONFIG_FIXES = {
+    "hwloc": "apt-get install libhwloc-dev (yum install hwloc-devel): it ships hwloc.pc",
+}
 LIBRARY_FIXES = {
     "hwloc": "apt-get install libhwloc-dev (yum install hwloc-devel); kt-kernel links hwloc "
              "and the 910B sglang image ships none",
@@ -100,8 +103,25 @@ def probe(ctx: StageContext) -> HostFacts:
     tools = [t for t in (recipe.platform.cc, recipe.platform.cxx) if t]
     tools += [t for t in recipe.host.tools if t not in ("gcc", "g++")]
     tools += cross_tools(recipe)
+    if recipe.host.pkg_config:
+        tools.append("pkg-config")
+    python = str(ctx.option("python") or recipe.build.python)
     return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.python],
-                      device_nodes=recipe.host.npu_device_nodes)
+                      device_nodes=recipe.host.npu_device_nodes,
+                      pkg_config=recipe.host.pkg_config,
+                      python_modules=[module_requirement(m)[0] for m in recipe.host.python_modules],
+                      modules_python=python)
+
+
+def module_requirement(entry: str) -> tuple[str, str | None]:
+    """'numpy' -> ('numpy', None); 'setuptools>=77' -> ('setuptools', '77')."""
+    name, _, minimum = entry.partition(">=")
+    return name.strip(), (minimum.strip() or None)
+
+
+def has_npu(recipe: Recipe) -> bool:
+    """A recipe names the NPUs it serves on; one without (x86 development) checks none."""
+    return bool(recipe.host.npu_models)
 
 
 # --- checks, one function per area ----------------------------------------------------------
@@ -116,22 +136,29 @@ def check_cpu(recipe: Recipe, facts: HostFacts) -> list[Check]:
         "" if arch_ok else (
             f"run on the {host.arch} host that holds the NPU (e.g. Kunpeng-920): kt-kernel's "
             "MXFP4 MoE kernel is NEON + SDOT code; this machine can still run `patch check` "
-            "and `convert`"),
+            "and `convert`" if has_npu(recipe) else
+            f"run on an {host.arch} machine, or pick the recipe for this one "
+            "(`dsv4-offload recipe list`)"),
     ))
     missing = [f for f in host.cpu_flags_required if f not in facts.cpu_flags]
+    arm = host.arch == "aarch64"
     checks.append(Check(
         "cpu-flags", FAIL if missing else OK,
         f"missing {', '.join(missing)}" if missing else ", ".join(host.cpu_flags_required),
         "CPU flags " + ", ".join(host.cpu_flags_required),
         "" if not missing else (
             "use an ARMv8.2-A CPU with NEON and dotprod (asimddp in /proc/cpuinfo, e.g. "
-            "Kunpeng-920); without dotprod the SDOT kernel dies with SIGILL"),
+            "Kunpeng-920); without dotprod the SDOT kernel dies with SIGILL" if arm else
+            "use a CPU with these flags: the kt-kernel build targets them (e.g. AVX2 for "
+            "CPUINFER_CPU_INSTRUCT=AVX2) and dies with SIGILL without them"),
     ))
     present = [f for f in host.cpu_flags_build_off if f in facts.cpu_flags]
     build_env = {k: v for step in recipe.build.steps for k, v in step.env.items()}
     not_off = [BUILD_SWITCH_FOR_FLAG[f] for f in present
                if f in BUILD_SWITCH_FOR_FLAG and build_env.get(BUILD_SWITCH_FOR_FLAG[f]) != "OFF"]
-    if not present:
+    if not host.cpu_flags_build_off:
+        pass  # nothing the recipe keeps out of the build
+    elif not present:
         checks.append(Check("cpu-build-off", OK, "none of " + ", ".join(
             host.cpu_flags_build_off), "kept out of the kt-kernel build"))
     elif not_off:
@@ -161,6 +188,9 @@ def check_cpu(recipe: Recipe, facts: HostFacts) -> list[Check]:
 
 def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
     nodes = facts.numa_nodes
+    if "serve" in recipe.not_applicable:
+        observed = f"{len(nodes)} node(s)" if nodes else "not visible"
+        return Check("numa", SKIP, observed, "only serving splits threads per NUMA node")
     per_node = recipe.serve.threads_per_numa
     required = (f"--kt-threadpool-count = nodes, --kt-cpuinfer {per_node} x nodes "
                 "<= logical CPUs")
@@ -378,6 +408,32 @@ def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
             f"lib{lib} (header and shared library)",
             "" if found else LIBRARY_FIXES.get(lib, f"install lib{lib} and its -dev package"),
         ))
+    if host.pkg_config:
+        pkg = facts.tools.get("pkg-config")
+        checks.append(Check("pkg-config", OK if pkg else FAIL, pkg or "not found",
+                            "pkg-config (kt-kernel's CMake finds hwloc through it)",
+                            "" if pkg else "apt-get install pkg-config (yum install "
+                            "pkgconf-pkg-config)"))
+    for module in host.pkg_config:
+        found = facts.pkg_config.get(module, False)
+        checks.append(Check(
+            f"{module}.pc", OK if found else FAIL, "found" if found else "no .pc file",
+            f"pkg-config module {module}",
+            "" if found else PKG_CONFIG_FIXES.get(module, f"install the -dev package of {module}"),
+        ))
+    for entry in host.python_modules:
+        module_name, least = module_requirement(entry)
+        module_version = facts.python_modules.get(module_name)
+        ok = module_version is not None and (
+            least is None or version_at_least(module_version, least))
+        want = f"{module_name}" + (f" >= {least}" if least else "") + f" in {py}"
+        observed = (f"{module_name} {module_version}" if module_version is not None
+                    else f"{module_name} does not import")
+        checks.append(Check(
+            f"py-{module_name}", OK if ok else FAIL, observed, want,
+            "" if ok else f"{py} -m pip install '{entry}' (or use a venv's python: "
+            "--set build.python=/path/to/venv/bin/python)",
+        ))
     return checks
 
 
@@ -446,10 +502,12 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
     checks = check_cpu(recipe, facts)
     checks.append(check_numa(recipe, facts))
     checks += check_memory_and_disk(recipe, facts)
-    npu_checks, chosen = check_npu(recipe, facts, device)
-    checks += npu_checks
-    checks.append(check_device_nodes(recipe, facts, chosen))
-    checks.append(check_cann(recipe, facts))
+    chosen = None
+    if has_npu(recipe):  # a recipe without an NPU needs no driver, device node or CANN
+        npu_checks, chosen = check_npu(recipe, facts, device)
+        checks += npu_checks
+        checks.append(check_device_nodes(recipe, facts, chosen))
+        checks.append(check_cann(recipe, facts))
     checks += check_toolchain(recipe, facts)
     checks += check_cross(recipe, facts, binfmt_state(facts.root) if cross_tools(recipe)
                           else "absent")

@@ -1,0 +1,3 @@
+from fakestages import make
+
+run = make("selftest")
