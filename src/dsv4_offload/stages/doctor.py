@@ -447,7 +447,8 @@ def compiler_package(binary: str) -> str:
 
 
 def cross_tools(recipe: Recipe) -> list[str]:
-    """The programs a recipe's cross-build steps call (none for a native recipe)."""
+    """The programs a recipe's cross-build steps and emulated self-test call (none for a
+    native recipe)."""
     tools: list[str] = []
     for step in recipe.build.steps:
         if CROSS_STEP_MODULE not in step.command:
@@ -458,6 +459,8 @@ def cross_tools(recipe: Recipe) -> list[str]:
             emulator = next((a.split("=", 1)[1] for a in step.command
                              if a.startswith("--emulator=")), "qemu-aarch64")
             tools += ["pkg-config", emulator]
+    if recipe.selftest.emulator is not None:
+        tools.append(recipe.selftest.emulator.command)
     return list(dict.fromkeys(tools))
 
 
@@ -485,7 +488,7 @@ def check_cross(recipe: Recipe, facts: HostFacts, binfmt: str = "absent") -> lis
     for tool in tools:
         version = facts.tools.get(tool)
         checks.append(Check(f"cross-{tool}", OK if version else FAIL, version or "not found",
-                            f"{tool} (cross build for aarch64)",
+                            f"{tool} (aarch64 cross build and emulated self-test)",
                             "" if version else CROSS_TOOL_FIXES.get(tool, f"install {tool}")))
     if tools:
         checks.append(Check(
