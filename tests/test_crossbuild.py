@@ -325,7 +325,8 @@ def test_toolchain_file_finds_the_sysroots_library_through_pkg_config(tmp_path: 
 # --- the recipe's markers against the real configure output ----------------------------------
 
 # the `-- ` lines of the real configure of the delivery-patched kt-kernel by this recipe
-# (`dsv4-offload --recipe dsv4-flash-arm-rehearsal build kt-kernel`, 2026-12-03, captured)
+# (`dsv4-offload --recipe dsv4-flash-arm-rehearsal build kt-kernel`, 2026-12-03, captured;
+# see fixtures/arm-rehearsal/README.md)
 CONFIGURE_LOG = Path(__file__).parent / "fixtures/arm-rehearsal/configure-kunpeng920.log"
 
 
@@ -342,9 +343,14 @@ def test_the_markers_match_the_real_kunpeng920_configure() -> None:
 
 
 def test_an_sve_or_bf16_or_i8mm_target_line_fails_the_exact_marker() -> None:
+    exact = r"^-- ARM target: -march=armv8\.2-a\+fp16\+dotprod$"
+    # the real configure with CPUINFER_ARM_SVE=ON (captured)
+    sve = (CONFIGURE_LOG.parent / "configure-sve.log").read_text()
+    assert "-- ARM target: -march=armv8.2-a+fp16+dotprod+sve\n" in sve
+    assert markers_missing(sve) == [exact]
+    # +bf16 and +i8mm: the same line as CMakeLists.txt lines 227-232 append them
     text = CONFIGURE_LOG.read_text()
     line = "-- ARM target: -march=armv8.2-a+fp16+dotprod"
     assert line + "\n" in text
-    for extra in ("+sve", "+bf16", "+i8mm"):
-        assert markers_missing(text.replace(line + "\n", line + extra + "\n")) == [
-            r"^-- ARM target: -march=armv8\.2-a\+fp16\+dotprod$"]
+    for extra in ("+bf16", "+i8mm"):
+        assert markers_missing(text.replace(line + "\n", line + extra + "\n")) == [exact]
