@@ -354,3 +354,14 @@ def test_an_sve_or_bf16_or_i8mm_target_line_fails_the_exact_marker() -> None:
     assert line + "\n" in text
     for extra in ("+bf16", "+i8mm"):
         assert markers_missing(text.replace(line + "\n", line + extra + "\n")) == [exact]
+
+
+def test_the_forbidden_markers_name_the_sve_build_and_spare_the_right_one() -> None:
+    import re
+
+    step = load_recipe("dsv4-flash-arm-rehearsal").build.steps[1]
+    right = CONFIGURE_LOG.read_text()
+    sve = (CONFIGURE_LOG.parent / "configure-sve.log").read_text()
+    assert [m for m in step.forbid_markers if re.search(m, right, re.MULTILINE)] == []
+    assert [m for m in step.forbid_markers if re.search(m, sve, re.MULTILINE)] == [
+        r"^-- ARM target: -march=\S*\+(sve|bf16|i8mm)"]
