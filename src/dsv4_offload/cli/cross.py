@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dsv4_offload import crossbuild
 from dsv4_offload.errors import InputError
+from dsv4_offload.workspace import atomic_write_bytes
 
 
 def _say(line: str) -> None:
@@ -63,6 +64,11 @@ def cmd_sysroot(args: argparse.Namespace) -> int:
         _say(f"sysroot {sysroot}: complete ({len(request.packages)} packages, "
              f"{len(request.wheels)} wheels); nothing to do")
         return 0
+    if plan.add_architecture and os.geteuid() != 0:
+        raise SystemExit(
+            f"error: dpkg does not know the {request.arch} architecture yet and adding it needs "
+            f"root: run `sudo dpkg --add-architecture {request.arch} && sudo apt-get update`, "
+            "then this step again")
     downloads = crossbuild.marks_dir(sysroot) / "downloads"
     downloads.mkdir(parents=True, exist_ok=True)
     if plan.add_architecture:
@@ -115,10 +121,10 @@ def cmd_cmake(args: argparse.Namespace) -> int:
              "apt-get install qemu-user cmake pkg-config")
     build_dir.mkdir(parents=True, exist_ok=True)
     toolchain = build_dir / crossbuild.TOOLCHAIN_NAME
-    toolchain.write_text(crossbuild.toolchain_file(target), encoding="utf-8")
+    atomic_write_bytes(toolchain, crossbuild.toolchain_file(target).encode())
     launcher = build_dir / crossbuild.PYTHON_LAUNCHER
-    launcher.write_text(crossbuild.python_launcher(target, args.python, args.emulator),
-                        encoding="utf-8")
+    atomic_write_bytes(launcher,
+                       crossbuild.python_launcher(target, args.python, args.emulator).encode())
     launcher.chmod(0o755)
     env = dict(os.environ)
     # kt-kernel's CMakeLists forces CMAKE_<LANG>_COMPILER from CC/CXX when both are set
