@@ -179,7 +179,7 @@ def test_overrides_do_not_touch_the_original_document() -> None:
 def test_recipe_list_and_unknown_recipe(cli) -> None:
     res = cli("--json", "recipe", "list")
     assert res.code == 0
-    assert {r["name"] for r in res.json()["data"]} == {"dsv4-flash-910b", "dsv4-flash-a3",
-                                                            "dsv4-flash-x86-dev"}
+    assert {r["name"] for r in res.json()["data"]} == {
+        "dsv4-flash-910b", "dsv4-flash-a3", "dsv4-flash-x86-dev", "dsv4-flash-arm-rehearsal"}
     res = cli("--recipe", "dsv4-nope", "recipe", "validate")
     assert res.code == 2 and "is not bundled" in res.err and re.search("dsv4-flash-a3", res.err)
