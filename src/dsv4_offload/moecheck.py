@@ -202,7 +202,7 @@ def judge(facts: RunFacts, min_cosine: float, max_rel_l2: float,
     msgs = child_messages(facts.lines)
     cpu = msgs.get("cpu", {})
     text = "\n".join(facts.lines)
-    where = f"{name} ({facts.tokens} tokens)"
+    where = f"{name} ({facts.tokens} token{'' if facts.tokens == 1 else 's'})"
 
     def fail(reason: str, fix: str, **figures: Any) -> Verdict:
         return Verdict(facts.tokens, name, False, f"{where}: {reason}", fix, figures)

@@ -48,9 +48,12 @@ def selftest_dir(ctx: StageContext) -> Path:
 
 
 def module_dir(ctx: StageContext) -> Path:
-    """kt-kernel's python dir, where the in-place build puts ``kt_kernel_ext*.so``."""
+    """Where ``kt_kernel_ext*.so`` is: ``selftest.module_dir``, else kt-kernel's python dir
+    (the in-place build's)."""
     from dsv4_offload.stages.build import KT_KERNEL_STEP
 
+    if ctx.recipe.selftest.module_dir is not None:
+        return ctx.workspace.root / ctx.recipe.selftest.module_dir
     step = next((s for s in ctx.recipe.build.steps if s.name == KT_KERNEL_STEP), None)
     if step is None:
         raise InputError(f"recipe '{ctx.recipe.name}' has no build step '{KT_KERNEL_STEP}'; "
