@@ -232,6 +232,10 @@ def judge(facts: RunFacts, min_cosine: float, max_rel_l2: float,
                     f"{_last(facts.lines)}")
     if sig is not None:
         return fail(f"killed by {signal.Signals(sig).name}", f"read the log: {_last(facts.lines)}")
+    if facts.returncode != 0 and "pin_memory=True requires" in text:
+        return fail("KTMoEWrapper needs pinned memory, which this torch (CPU-only) lacks",
+                    "set selftest.api: low-level off the target (the wrapper runs where "
+                    "torch_npu provides pinned memory)")
     if facts.returncode != 0:
         return fail(f"exit code {facts.returncode}: {_last(facts.lines)}",
                     "check that the build python imports numpy and kt_kernel_ext "

@@ -71,7 +71,9 @@ def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str,
 
     test = ctx.recipe.selftest
     env = dict(os.environ)
-    paths = [str(module_dir(ctx))]
+    # the module's dir (`import kt_kernel_ext`), then its parent, where the build links
+    # `kt_kernel -> python` (`from kt_kernel import KTMoEWrapper`)
+    paths = [str(module_dir(ctx)), str(module_dir(ctx).parent)]
     emu = test.emulator
     if emu is None:
         argv = [build_python(ctx), str(CHILD), str(spec_file)]
@@ -83,6 +85,8 @@ def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str,
         # a binfmt-registered qemu reads these for any aarch64 program the child starts
         env["QEMU_CPU"] = emu.cpu
         env["QEMU_LD_PREFIX"] = str(sysroot)
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return argv, env
