@@ -69,6 +69,8 @@ def test_zero_context_patch_applies_as_one_commit(repo: tuple[Path, str], tmp_pa
     assert lines[3:7] == ["line 4", "ours A", "ours B", "line 5"]
     assert lines[9:12] == ["line 8", "ours C", "line 9"]
     assert "Dsv4-Patch: ours" in git(path, "log", "-1", "--format=%B")
+    # refresh regenerates exactly the same zero-context diff from the commit
+    assert series_mod.regenerate(path, "HEAD", patch.entry) == ADDITION.encode()
     # a second classification sees it as already applied
     patch_file = patch.write_to(tmp_path)
     c = series_mod.classify(path, patch_file, 1, tmp_path / "log", zero_context=True)

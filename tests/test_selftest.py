@@ -212,7 +212,8 @@ def test_emulator_argv_and_set_of_the_cpu(tmp_path: Path) -> None:
                     f"{root}/sysroot-arm64/usr/bin/python3.11", str(selftest.CHILD),
                     f"{tmp_path}/spec.json"]
     assert env["PYTHONPATH"].split(os.pathsep) == [
-        str(selftest.module_dir(ctx)), f"{root}/py-arm64", "/opt/numpy"]
+        str(selftest.module_dir(ctx)), str(selftest.module_dir(ctx).parent), f"{root}/py-arm64",
+        "/opt/numpy"]
     assert env["QEMU_CPU"] == "cortex-a53"
 
 
@@ -251,8 +252,8 @@ def test_x86_dev_recipe_ends_at_selftest(tmp_path: Path) -> None:
     for name in ("download", "convert", "verify-gguf", "serve", "accept"):
         assert items[name].action == "skip" and "not applicable" in items[name].reason
     assert items["selftest"].action == "run"
-    with pytest.raises(InputError, match="stage 'download' is not applicable .* `run --to "
-                                         "selftest`"):
+    with pytest.raises(InputError, match="stage 'download' is not applicable to recipe "
+                                         "dsv4-flash-x86-dev, which ends at selftest"):
         pipeline.run_stage(ctx, "download")
     states = {s.name: s.state for s in pipeline.pipeline_status(ctx)}
     assert states["serve"] == "n/a" and states["selftest"] == "pending"
@@ -272,3 +273,21 @@ def test_selftest_section_is_strict() -> None:
         load_recipe_and_series(RECIPE, ["selftest.colour=1"])
     with pytest.raises(InputError, match="hidden 100 must be a multiple of 32"):
         load_recipe_and_series(RECIPE, ["selftest.hidden=100"])
+
+
+def test_module_dir_can_point_elsewhere(tmp_path: Path) -> None:
+    ctx = make_ctx(tmp_path, ["selftest.module_dir=build-arm64/lib"], standin=False)
+    assert selftest.module_dir(ctx) == tmp_path / "build-arm64/lib"
+    argv, env = selftest.child_argv(ctx, tmp_path / "spec.json")
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path / "build-arm64/lib")
+
+
+def test_wrapper_without_pinned_memory_says_use_the_low_level_api() -> None:
+    # the RuntimeError text torch 2.13.0+cpu raises in KTMoEWrapper (experts_base.py)
+    lines = ["SELFTEST cpu " + json.dumps({"machine": "x86_64", "hwcap": 1, "hwcap2": 0}),
+             "RuntimeError: pin_memory=True requires a CUDA or other accelerator backend; no "
+             "pinned memory allocator is available on this system."]
+    verdict = moecheck.judge(moecheck.RunFacts(16, 1, lines, 60), 0.9995, 0.03, None)
+    assert verdict.reason == ("forward_many (16 tokens): KTMoEWrapper needs pinned memory, "
+                              "which this torch (CPU-only) lacks")
+    assert "selftest.api: low-level" in verdict.fix

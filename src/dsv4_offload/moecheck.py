@@ -202,7 +202,7 @@ def judge(facts: RunFacts, min_cosine: float, max_rel_l2: float,
     msgs = child_messages(facts.lines)
     cpu = msgs.get("cpu", {})
     text = "\n".join(facts.lines)
-    where = f"{name} ({facts.tokens} tokens)"
+    where = f"{name} ({facts.tokens} token{'' if facts.tokens == 1 else 's'})"
 
     def fail(reason: str, fix: str, **figures: Any) -> Verdict:
         return Verdict(facts.tokens, name, False, f"{where}: {reason}", fix, figures)
@@ -232,6 +232,10 @@ def judge(facts: RunFacts, min_cosine: float, max_rel_l2: float,
                     f"{_last(facts.lines)}")
     if sig is not None:
         return fail(f"killed by {signal.Signals(sig).name}", f"read the log: {_last(facts.lines)}")
+    if facts.returncode != 0 and "pin_memory=True requires" in text:
+        return fail("KTMoEWrapper needs pinned memory, which this torch (CPU-only) lacks",
+                    "set selftest.api: low-level off the target (the wrapper runs where "
+                    "torch_npu provides pinned memory)")
     if facts.returncode != 0:
         return fail(f"exit code {facts.returncode}: {_last(facts.lines)}",
                     "check that the build python imports numpy and kt_kernel_ext "

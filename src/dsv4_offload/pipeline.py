@@ -185,8 +185,7 @@ def not_applicable_reason(ctx: StageContext, name: str) -> str | None:
         return None
     last = next((s for s in reversed(STAGE_NAMES) if s not in ctx.recipe.not_applicable),
                 STAGE_NAMES[0])
-    return (f"not applicable to recipe '{ctx.recipe.name}' (its not_applicable list); "
-            f"its pipeline ends at {last}: `run --to {last}`")
+    return f"not applicable to recipe {ctx.recipe.name}, which ends at {last}"
 
 
 def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
@@ -243,7 +242,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     stage = spec(name)
     why_not = not_applicable_reason(ctx, name)
     if why_not:
-        raise InputError(f"stage '{name}' is {why_not}")
+        raise InputError(f"stage '{name}' is {why_not} (its not_applicable list); stop "
+                         "there with `run --to` that stage, or use a recipe that has it")
     module = _load_module(stage)
     if module is None or not hasattr(module, "run"):
         raise NotImplementedStage(

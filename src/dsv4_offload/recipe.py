@@ -396,6 +396,9 @@ class Selftest(Strict):
     api: Literal["auto", "low-level", "wrapper"] = Field(
         "auto", description="auto: KTMoEWrapper where torch_npu imports, else the low-level API")
     emulator: SelftestEmulator | None = None
+    module_dir: RelPath | None = Field(
+        None, description="where kt_kernel_ext*.so is, relative to the workspace (default: "
+        "the kt-kernel build step's workdir + /python, where an in-place build puts it)")
 
     @model_validator(mode="after")
     def _shapes(self) -> Selftest:

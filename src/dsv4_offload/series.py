@@ -609,6 +609,10 @@ def refresh_series(recipe: Recipe, series: Series, ws: Workspace,
             row["detail"] = "apply the series, edit, commit (amend), then refresh"
             continue
         data = regenerate(repo_dir, rec.commit, entry)
+        if entry.method == "unidiff-zero":
+            # our patches open with a note of ours before the diff: keep it
+            old = (spath.parent / entry.origin.file).read_bytes()
+            data = old[: old.find(b"diff --git")] + data if b"diff --git" in old else data
         new = _sha256(data)
         if new == entry.sha256:
             row["result"] = "unchanged"

@@ -48,9 +48,12 @@ def selftest_dir(ctx: StageContext) -> Path:
 
 
 def module_dir(ctx: StageContext) -> Path:
-    """kt-kernel's python dir, where the in-place build puts ``kt_kernel_ext*.so``."""
+    """Where ``kt_kernel_ext*.so`` is: ``selftest.module_dir``, else kt-kernel's python dir
+    (the in-place build's)."""
     from dsv4_offload.stages.build import KT_KERNEL_STEP
 
+    if ctx.recipe.selftest.module_dir is not None:
+        return ctx.workspace.root / ctx.recipe.selftest.module_dir
     step = next((s for s in ctx.recipe.build.steps if s.name == KT_KERNEL_STEP), None)
     if step is None:
         raise InputError(f"recipe '{ctx.recipe.name}' has no build step '{KT_KERNEL_STEP}'; "
@@ -68,7 +71,9 @@ def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str,
 
     test = ctx.recipe.selftest
     env = dict(os.environ)
-    paths = [str(module_dir(ctx))]
+    # the module's dir (`import kt_kernel_ext`), then its parent, where the build links
+    # `kt_kernel -> python` (`from kt_kernel import KTMoEWrapper`)
+    paths = [str(module_dir(ctx)), str(module_dir(ctx).parent)]
     emu = test.emulator
     if emu is None:
         argv = [build_python(ctx), str(CHILD), str(spec_file)]
@@ -80,6 +85,8 @@ def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str,
         # a binfmt-registered qemu reads these for any aarch64 program the child starts
         env["QEMU_CPU"] = emu.cpu
         env["QEMU_LD_PREFIX"] = str(sysroot)
+    if os.environ.get("PYTHONPATH"):
+        paths.append(os.environ["PYTHONPATH"])
     env["PYTHONPATH"] = os.pathsep.join(paths)
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     return argv, env
