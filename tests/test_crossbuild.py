@@ -365,3 +365,43 @@ def test_the_forbidden_markers_name_the_sve_build_and_spare_the_right_one() -> N
     assert [m for m in step.forbid_markers if re.search(m, right, re.MULTILINE)] == []
     assert [m for m in step.forbid_markers if re.search(m, sve, re.MULTILINE)] == [
         r"^-- ARM target: -march=\S*\+(sve|bf16|i8mm)"]
+
+
+def test_a_step_in_the_workspaces_own_dir_gets_it_made_a_checkout_never(tmp_path: Path) -> None:
+    from dsv4_offload.stage import StageContext
+    from dsv4_offload.stages import build
+    from dsv4_offload.workspace import Workspace
+
+    recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", [
+        'build.steps.0.command=["sh", "-c", "pwd > where.txt"]',
+        'build.steps.1.command=["sh", "-c", "pwd > where.txt"]'])
+    ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
+                       options={}, stage="build")
+    sysroot_step, kt_step = recipe.build.steps
+    report = build.run_step(ctx, sysroot_step, sys.executable, None)
+    assert report.status == "ok", report.message
+    assert (tmp_path / "sysroot-arm64/where.txt").read_text().strip() == \
+        str(tmp_path / "sysroot-arm64")
+    report = build.run_step(ctx, kt_step, sys.executable, None)
+    assert report.status == "failed"
+    assert report.message == f"{tmp_path}/src/ktransformers/kt-kernel does not exist"
+    assert "dsv4-offload fetch" in report.fix
+    assert not (tmp_path / "src").exists()
+
+
+def test_the_sve_configure_fails_the_build_with_the_fix(tmp_path: Path) -> None:
+    """The kt-kernel step fed the real SVE configure output: failed, and the fix names it."""
+    from dsv4_offload.stage import StageContext
+    from dsv4_offload.stages import build
+    from dsv4_offload.workspace import Workspace
+
+    sve_log = CONFIGURE_LOG.parent / "configure-sve.log"
+    recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", [
+        f'build.steps.1.command=["cat", "{sve_log}"]'])
+    (tmp_path / "src/ktransformers/kt-kernel").mkdir(parents=True)
+    ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
+                       options={}, stage="build")
+    report = build.run_step(ctx, recipe.build.steps[1], sys.executable, None)
+    assert report.status == "failed"
+    assert "ARM target" in report.message
+    assert "CPUINFER_ARM_SVE" in build._fix_for(recipe.build.steps[1], report)

@@ -54,6 +54,10 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
                "/usr/local/Ascend/ascend-toolkit/set_env.sh (and nnal/atb/set_env.sh) first"),
     ("DOTPROD", "dotprod was not enabled: build on the aarch64 host whose CPU has asimddp "
                 "(`dsv4-offload doctor`), not in an emulator or on x86"),
+    # kt-kernel/CMakeLists.txt lines 217-234 print the -march it targets
+    ("ARM target", "the configure targets other CPU features than the marker wants (a +sve, "
+                   "+bf16 or +i8mm is one a Kunpeng-920 lacks): keep CPUINFER_ARM_SVE, "
+                   "CPUINFER_ARM_BF16 and CPUINFER_ARM_I8MM OFF in the kt-kernel step's env"),
 )
 # log pattern -> the fix; first match wins, so the most specific come first
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
@@ -368,6 +372,8 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     workdir = ctx.workspace.root / step.workdir
     log = ctx.log_dir / f"{step.name}.log"
     report.log = str(log)
+    if not workdir.is_dir() and not _in_a_source(ctx.recipe, step.workdir):
+        workdir.mkdir(parents=True)  # the workspace's own (a sysroot), not a checkout
     if not workdir.is_dir():
         report.status = "failed"
         report.log = str(ctx.log_dir)
@@ -448,6 +454,15 @@ def expand_command(command: list[str], python: str, workspace: Path) -> list[str
             arg = arg.replace(key, value)
         out.append(arg)
     return out
+
+
+def _in_a_source(recipe: Recipe, workdir: str) -> bool:
+    """Whether a step's workdir lies in a source checkout (which fetch makes, never we)."""
+    from pathlib import PurePosixPath
+
+    path = PurePosixPath(workdir)
+    return any(path == PurePosixPath(s.path) or PurePosixPath(s.path) in path.parents
+               for s in recipe.sources)
 
 
 def _fail(report: StepReport, step: BuildStep, message: str) -> StepReport:
