@@ -21,6 +21,7 @@ import pytest
 from dsv4_offload import crossbuild
 from dsv4_offload.recipe import load_recipe, load_recipe_and_series, load_series
 from dsv4_offload.stages.build import expand_command
+from dsv4_offload.workspace import Workspace
 
 CROSS = "aarch64-linux-gnu"
 
@@ -405,3 +406,27 @@ def test_the_sve_configure_fails_the_build_with_the_fix(tmp_path: Path) -> None:
     assert report.status == "failed"
     assert "ARM target" in report.message
     assert "CPUINFER_ARM_SVE" in build._fix_for(recipe.build.steps[1], report)
+
+
+@pytest.mark.parametrize("cpu", [None, "cortex-a53"])
+def test_the_rehearsals_selftest_child_runs_under_qemu_with_the_sysroot_python(
+        tmp_path: Path, cpu: str | None) -> None:
+    from dsv4_offload.stage import StageContext
+    from dsv4_offload.stages import selftest
+
+    overrides = [f"selftest.emulator.cpu={cpu}"] if cpu else []
+    recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", overrides)
+    ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path),
+                       options={}, stage="selftest")
+    argv, env = selftest.child_argv(ctx, tmp_path / "spec.json")
+    sysroot = tmp_path / "sysroot-arm64"
+    assert argv == ["qemu-aarch64", "-cpu", cpu or "cortex-a76", "-L", str(sysroot),
+                    str(sysroot / "usr/bin/python3.11"), str(selftest.CHILD),
+                    str(tmp_path / "spec.json")]
+    # the aarch64 module the cross build wrote comes first on the guest's path
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == \
+        str(tmp_path / "src/ktransformers/kt-kernel/python")
+    # the sysroot step writes where the emulator reads (one directory, named twice)
+    assert "{workspace}/sysroot-arm64" in recipe.build.steps[0].command
+    assert recipe.selftest.emulator is not None
+    assert recipe.selftest.emulator.sysroot == "sysroot-arm64"
