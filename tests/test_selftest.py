@@ -291,3 +291,20 @@ def test_wrapper_without_pinned_memory_says_use_the_low_level_api() -> None:
     assert verdict.reason == ("forward_many (16 tokens): KTMoEWrapper needs pinned memory, "
                               "which this torch (CPU-only) lacks")
     assert "selftest.api: low-level" in verdict.fix
+
+
+def test_cli_selftest_with_the_right_module_then_without_one(cli, tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    base = ["-w", str(ws), "--recipe", RECIPE, *[x for s in SMALL for x in ("--set", s)],
+            "--set", f"build.python={sys.executable}", "--set", "selftest.tokens=[3]"]
+    target = ws / "src/ktransformers/kt-kernel/python/kt_kernel_ext.py"
+    target.parent.mkdir(parents=True)
+    shutil.copy(STANDIN, target)
+    res = cli("--json", *base, "selftest", env={"KT_STANDIN_MODE": "right"})
+    assert res.code == 0, res
+    (run,) = res.json()["data"]["data"]["runs"]
+    assert run["regime"] == "forward_one" and run["cosine"] > 0.9999
+    target.unlink()
+    res = cli(*base, "selftest")
+    assert res.code == 1, res
+    assert "no kt_kernel_ext module in" in res.out and "build kt-kernel` first" in res.out
