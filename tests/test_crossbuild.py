@@ -136,6 +136,8 @@ def test_sysroot_step_interrupted_resumes_with_what_is_missing(
     calls(fake_debian)
 
     fake_debian["FAKE_DPKG_FAIL"] = ""
+    # what an interrupted download may leave: never unpacked in place of the fresh one
+    (sysroot / ".dsv4/downloads/libhwloc15_0.9_arm64.deb").write_text("half-written\n")
     proc = run_sysroot(fake_debian, sysroot, ["libc6", "libhwloc15", "libgomp1"])
     assert proc.returncode == 0, proc.stderr
     done = calls(fake_debian)
@@ -144,6 +146,7 @@ def test_sysroot_step_interrupted_resumes_with_what_is_missing(
     assert [c.split()[2].rsplit("/", 1)[1] for c in done[2:]] == [
         "libhwloc15_1.0_arm64.deb", "libgomp1_1.0_arm64.deb"]
     assert crossbuild.stamp_path(sysroot).exists()
+    assert (sysroot / "usr/share/doc/libhwloc15/unpacked").read_text() == "libhwloc15\n"
 
     # a longer list later: the stamp no longer names the request, only the new one is fetched
     proc = run_sysroot(fake_debian, sysroot, ["libc6", "libhwloc15", "libgomp1", "zlib1g"])

@@ -74,6 +74,8 @@ def cmd_sysroot(args: argparse.Namespace) -> int:
     if plan.add_architecture:
         _run(["dpkg", "--add-architecture", request.arch])
     if plan.packages:
+        for stale in downloads.glob("*.deb"):  # an interrupted run's, maybe half-written
+            stale.unlink()
         _run(["apt-get", "update"])
         _run(crossbuild.apt_download_argv(plan), cwd=downloads)
         debs = list(downloads.glob("*.deb"))
@@ -86,6 +88,8 @@ def cmd_sysroot(args: argparse.Namespace) -> int:
             crossbuild.mark_done(sysroot, "debs", package, deb.name)
             deb.unlink()
     if plan.wheels:
+        for stale in downloads.glob("*.whl"):
+            stale.unlink()
         links = Path(args.find_links).resolve() if args.find_links else None
         _run(crossbuild.pip_download_argv(sys.executable, plan, downloads, links))
         wheels = list(downloads.glob("*.whl"))
