@@ -57,7 +57,7 @@ def cross_checks(root: Path) -> dict[str, doctor.Check]:
     tools = [t for t in (recipe.platform.cc, recipe.platform.cxx) if t]
     facts = probe_host(Path("/nonexistent-ws"), root=root, npu_smi=None,
                        tools=tools + doctor.cross_tools(recipe))
-    checks, _ = doctor.evaluate(recipe, facts)
+    checks, _ = doctor.evaluate(recipe, facts, binfmt=doctor.binfmt_state(str(root)))
     return {c.name: c for c in checks}
 
 
@@ -106,3 +106,22 @@ def test_binfmt_entry_parsing() -> None:
     assert doctor.parse_binfmt_entry(BINFMT_ENABLED) == "enabled"
     assert doctor.parse_binfmt_entry("disabled\ninterpreter /x\n") == "disabled"
     assert doctor.parse_binfmt_entry("") == "absent"
+
+
+def test_the_doctor_stage_reads_binfmt_from_the_host(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4_offload.recipe import load_recipe_and_series
+    from dsv4_offload.stage import StageContext
+    from dsv4_offload.workspace import Workspace
+
+    root = x86_host(tmp_path, binfmt=BINFMT_ENABLED)
+    monkeypatch.setenv("DSV4_HOST_ROOT", str(root))
+    monkeypatch.delenv("DSV4_NPU_SMI", raising=False)
+    recipe, series = load_recipe_and_series(RECIPE)
+    result = doctor.run(StageContext(recipe=recipe, series=series,
+                                     workspace=Workspace(tmp_path / "ws"), options={},
+                                     stage="doctor"))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["binfmt-aarch64"]["status"] == "ok"
+    assert checks["cross-qemu-aarch64"]["status"] == "ok"
+    assert "npu-smi" not in checks  # a recipe without an NPU checks none

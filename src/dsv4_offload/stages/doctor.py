@@ -55,13 +55,12 @@ LIBRARY_FIXES = {
 }
 # a recipe that cross-builds for aarch64 (dsv4-flash-arm-rehearsal) runs the tool's own steps
 CROSS_STEP_MODULE = "dsv4_offload.cli.cross"
+_DEBIAN_ONLY = ("the arm64 sysroot is made of Debian packages (apt-get download, dpkg -x): use "
+                "a Debian or Ubuntu machine")
 CROSS_TOOL_FIXES = {
-    "dpkg": "the arm64 sysroot is made of Debian packages (apt-get download, dpkg -x): use a "
-            "Debian or Ubuntu machine",
-    "apt-get": "the arm64 sysroot is made of Debian packages (apt-get download, dpkg -x): use a "
-               "Debian or Ubuntu machine",
+    "dpkg": _DEBIAN_ONLY,
+    "apt-get": _DEBIAN_ONLY,
     "pkg-config": "apt-get install pkg-config (kt-kernel's CMake finds hwloc through it)",
-    "cmake": "apt-get install cmake",
     "qemu-aarch64": "apt-get install qemu-user (qemu-user-static binfmt-support also let "
                     "aarch64 programs run directly): it runs the aarch64 python for CMake and "
                     "the self-test",
@@ -499,8 +498,8 @@ def check_cross(recipe: Recipe, facts: HostFacts, binfmt: str = "absent") -> lis
     return checks
 
 
-def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
-             ) -> tuple[list[Check], NpuInfo | None]:
+def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
+             binfmt: str = "absent") -> tuple[list[Check], NpuInfo | None]:
     """All checks of the recipe's host section against these facts (pure: no probing)."""
     checks = check_cpu(recipe, facts)
     checks.append(check_numa(recipe, facts))
@@ -512,8 +511,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None
         checks.append(check_device_nodes(recipe, facts, chosen))
         checks.append(check_cann(recipe, facts))
     checks += check_toolchain(recipe, facts)
-    checks += check_cross(recipe, facts, binfmt_state(facts.root) if cross_tools(recipe)
-                          else "absent")
+    checks += check_cross(recipe, facts, binfmt)
     return checks, chosen
 
 
@@ -527,7 +525,8 @@ def run(ctx: StageContext) -> StageResult:
     # the pipeline takes the fingerprint from a copy of these options right after the run:
     # it reuses these facts instead of running npu-smi and every --version a second time
     ctx.options["host_facts"] = facts
-    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx))
+    binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
+    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt)
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:
