@@ -433,3 +433,59 @@ def test_the_rehearsals_selftest_child_runs_under_qemu_with_the_sysroot_python(
     assert "{workspace}/sysroot-arm64" in recipe.build.steps[0].command
     assert recipe.selftest.emulator is not None
     assert recipe.selftest.emulator.sysroot == "sysroot-arm64"
+
+
+PROBE_CMAKE = """cmake_minimum_required(VERSION 3.16)
+project(probe C)
+message(STATUS "probe: SVE=${LLAMA_ARM_SVE} DOTPROD=${LLAMA_ARM_DOTPROD} "
+               "ASCEND=${KTRANSFORMERS_USE_ASCEND_NPU} TYPE=${CMAKE_BUILD_TYPE}")
+message(STATUS "probe: python=${PYTHON_EXECUTABLE}")
+message(STATUS "probe: out=${CMAKE_LIBRARY_OUTPUT_DIRECTORY}")
+message(STATUS "probe: cc=${CMAKE_C_COMPILER} processor=${CMAKE_SYSTEM_PROCESSOR}")
+"""
+
+
+@pytest.mark.skipif(shutil.which(f"{CROSS}-gcc") is None or shutil.which(f"{CROSS}-g++") is None
+                    or shutil.which("cmake") is None or shutil.which("pkg-config") is None
+                    or shutil.which("qemu-aarch64") is None,
+                    reason="needs the aarch64 cross compilers, cmake, pkg-config and qemu-user")
+@pytest.mark.parametrize("sve", ["OFF", "ON"])
+def test_the_cmake_step_hands_the_recipes_switches_to_cmake(tmp_path: Path, sve: str) -> None:
+    """`cross cmake` on a probe project, with the recipe's kt-kernel env (and --set SVE)."""
+    sysroot = tmp_path / "sysroot"
+    crossbuild.write_stamp(crossbuild.SysrootRequest(sysroot=sysroot, arch="arm64",
+                                                     packages=("python3.11",)))
+    (sysroot / "usr/bin").mkdir(parents=True)
+    (sysroot / "usr/bin/python3.11").write_text("")  # never run: the probe has no python
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "CMakeLists.txt").write_text(PROBE_CMAKE)
+    step = load_recipe("dsv4-flash-arm-rehearsal",
+                       [f"build.steps.1.env.CPUINFER_ARM_SVE={sve}"]).build.steps[1]
+    env = {**os.environ, **step.env}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4_offload.cli.cross", "cmake", "--source", str(project),
+         "--sysroot", str(sysroot), "--build-dir", str(tmp_path / "build"),
+         "--output", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("-- probe: ")]
+    assert lines == [
+        f"-- probe: SVE={sve} DOTPROD=ON ASCEND=OFF TYPE=Release",
+        f"-- probe: python={tmp_path}/build/target-python",
+        f"-- probe: out={tmp_path}/out/",
+        f"-- probe: cc=/usr/bin/{CROSS}-gcc processor=aarch64"]
+    launcher = (tmp_path / "build/target-python").read_text()
+    assert f"exec qemu-aarch64 -L {sysroot} {sysroot}/usr/bin/python3.11 \"$@\"" in launcher
+
+
+def test_the_cmake_step_wants_the_sysroot_first(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "dsv4_offload.cli.cross", "cmake", "--sysroot",
+         str(tmp_path / "sysroot"), "--build-dir", str(tmp_path / "b"), "--output",
+         str(tmp_path / "o")], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert proc.stderr.strip() == (
+        f"error: the sysroot is not there ({tmp_path}/sysroot/.dsv4/sysroot.json); run the "
+        "recipe's sysroot build step first (`dsv4-offload build sysroot-arm64`)")
+    assert not (tmp_path / "b").exists()

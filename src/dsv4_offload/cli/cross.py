@@ -27,9 +27,9 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
-def _run(argv: list[str], cwd: Path | None = None) -> None:
+def _run(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
     _say(f"+ {shlex.join(argv)}")
-    proc = subprocess.run(argv, cwd=cwd, stdin=subprocess.DEVNULL)
+    proc = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
     if proc.returncode != 0:
         raise SystemExit(f"error: {shlex.join(argv[:3])} ... exited {proc.returncode}")
 
@@ -117,8 +117,8 @@ def cmd_cmake(args: argparse.Namespace) -> int:
     for what, path in (("the sysroot", crossbuild.stamp_path(target.sysroot)),
                        ("the target python", python)):
         if not path.exists():
-            raise SystemExit(f"error: {what} is not there ({path}); run the sysroot build "
-                             "step first (`dsv4-offload build sysroot-arm64`)")
+            raise SystemExit(f"error: {what} is not there ({path}); run the recipe's sysroot "
+                             "build step first (`dsv4-offload build sysroot-arm64`)")
     _require([str(target.cc), str(target.cxx)],
              f"apt-get install gcc-{args.triple} g++-{args.triple}")
     _require([args.emulator, "cmake", "pkg-config"],
@@ -139,18 +139,11 @@ def cmd_cmake(args: argparse.Namespace) -> int:
         env, output_dir=Path(args.output).resolve(), python_executable=launcher,
         python_include_dir=include)
     _say(f"toolchain file: {toolchain}")
-    _run_env(["cmake", "-S", str(source), "-B", str(build_dir),
-              f"-DCMAKE_TOOLCHAIN_FILE={toolchain}", *defines, *args.extra], env)
-    _run_env(["cmake", "--build", str(build_dir), "--parallel", crossbuild.parallel_jobs(env)],
-             env)
+    _run(["cmake", "-S", str(source), "-B", str(build_dir),
+          f"-DCMAKE_TOOLCHAIN_FILE={toolchain}", *defines, *args.extra], env=env)
+    _run(["cmake", "--build", str(build_dir), "--parallel", crossbuild.parallel_jobs(env)],
+         env=env)
     return 0
-
-
-def _run_env(argv: list[str], env: dict[str, str]) -> None:
-    _say(f"+ {shlex.join(argv)}")
-    proc = subprocess.run(argv, env=env, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: {shlex.join(argv[:2])} ... exited {proc.returncode}")
 
 
 def parser() -> argparse.ArgumentParser:
