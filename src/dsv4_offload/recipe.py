@@ -170,6 +170,9 @@ class BuildStep(Strict):
     env: dict[str, str] = {}
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
+    log_sources: list[Name] = Field(
+        [], description="sources whose code prints this step's log (`patch audit`); default: "
+        "the source holding workdir and the sources nested in it")
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = False
     description: str = ""
@@ -423,6 +426,11 @@ class Recipe(Strict):
         for s in self.sources:
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
+        for step in self.build.steps:
+            for name in step.log_sources:
+                if name not in names:
+                    raise ValueError(f"build step '{step.name}': log_sources '{name}' is not a "
+                                     f"source name; use one of {names}")
         manifest = self.conversion.digests_manifest
         if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")
