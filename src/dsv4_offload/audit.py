@@ -3,7 +3,8 @@
 1. The texts: each build step's ``expect_markers`` / ``forbid_markers``, the acceptance
    ``log_markers_required`` / ``log_markers_forbidden`` and the supervisor's fatal patterns.
 2. The tree each belongs to: a build step's ``log_sources`` (default: the source holding
-   its workdir and the sources nested in it); acceptance and serve texts: every source but
+   its workdir and the sources nested in it; ``[]``: the command itself, e.g. pip, prints
+   them, so they stay unchecked); acceptance and serve texts: every source but
    the delivery, plus the delivery's own scripts (the directory of its series patches,
    without the ``*.patch`` files).
 3. What is searched: a marker is a regular expression; its literal runs (text between
@@ -226,7 +227,7 @@ def _nested_in(recipe: Recipe, name: str) -> list[str]:
 
 def build_step_tree(recipe: Recipe, step: BuildStep) -> list[Scope]:
     """``log_sources`` of the step, else the source holding its workdir plus those nested in it."""
-    if step.log_sources:
+    if step.log_sources is not None:
         names = list(step.log_sources)
     else:
         holder = _source_of_path(recipe, step.workdir)
@@ -408,6 +409,10 @@ def _judge(item: MarkerAudit, w: _Wanted, present: Mapping[str, Path],
                 item.verdict = FOUND  # the line of the first run: the head of the message
                 item.where = f"{sc.source}/{path}:{found[(item.runs[0], icase)]}"
                 return
+    if not w.tree:
+        item.verdict = UNCHECKED
+        item.detail = "log_sources is []: the command itself prints it, no tree is searched"
+        return
     absent = [sc.label for sc in w.tree if sc.source not in present]
     searched = ", ".join(sc.label for sc in w.tree if sc.source in present) or "nothing"
     if absent:

@@ -170,9 +170,10 @@ class BuildStep(Strict):
     env: dict[str, str] = {}
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
-    log_sources: list[Name] = Field(
-        [], description="sources whose code prints this step's log (`patch audit`); default: "
-        "the source holding workdir and the sources nested in it")
+    log_sources: list[Name] | None = Field(
+        None, description="sources whose code prints this step's markers (`patch audit`); "
+        "default: the source holding workdir and those nested in it; [] = the command itself "
+        "(pip, cmake) prints them: not audited")
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = False
     description: str = ""
@@ -427,7 +428,7 @@ class Recipe(Strict):
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
         for step in self.build.steps:
-            for name in step.log_sources:
+            for name in step.log_sources or []:
                 if name not in names:
                     raise ValueError(f"build step '{step.name}': log_sources '{name}' is not a "
                                      f"source name; use one of {names}")
