@@ -417,8 +417,8 @@ def _judge(item: MarkerAudit, w: _Wanted, present: Mapping[str, Path],
     searched = ", ".join(sc.label for sc in w.tree if sc.source in present) or "nothing"
     if absent:
         item.verdict = UNCHECKED
-        item.detail = (f"not in {searched}; {', '.join(absent)} absent, so it may print it "
-                       "(run `dsv4-offload fetch` and `patch apply`)")
+        item.detail = (f"not in {searched}; absent: {', '.join(absent)}, which may print "
+                       "it (`dsv4-offload fetch`, `patch apply`)")
         return
     item.verdict = MISSING
     lacking = [r for r in item.runs if r not in partial]

@@ -257,8 +257,8 @@ def marker_audit(ctx: StageContext, steps: list[BuildStep], data: dict[str, Any]
     for item in report.items:
         if item.severity == "error":
             problems.append(Problem(
-                "error", f"{item.owner}: '{item.marker}' cannot be printed by "
-                f"{', '.join(item.tree)}: {item.detail}", fix=audit.refusal_fix(item),
+                "error", f"{item.owner}: '{item.marker}' cannot be printed: {item.detail}",
+                fix=audit.refusal_fix(item),
                 check="patch-audit"))
     return problems  # unchecked ones (a tree not fetched) stay in data["audit"]
 
@@ -286,8 +286,7 @@ def run(ctx: StageContext) -> StageResult:
     problems += audit_problems
     if any(p.severity == "error" for p in audit_problems):
         return StageResult(Status.FAILED, "build refused: a required log marker cannot be "
-                           "printed by its tree", data=data, problems=problems,
-                           log=str(ctx.log_dir))
+                           "printed by its tree", data=data, problems=problems)
     hooks_dir = _hooks_dir(ctx.workspace.tree_dir(ctx.recipe))
     previous = _previous_outputs(ctx)
     reports: list[StepReport] = []
