@@ -411,7 +411,8 @@ def _judge(item: MarkerAudit, w: _Wanted, present: Mapping[str, Path],
                 return
     if not w.tree:
         item.verdict = UNCHECKED
-        item.detail = "log_sources is []: the command itself prints it, no tree is searched"
+        item.detail = ("no tree to search: the step's log_sources is [] (the command itself "
+                       "prints it) or no source holds its workdir")
         return
     absent = [sc.label for sc in w.tree if sc.source not in present]
     searched = ", ".join(sc.label for sc in w.tree if sc.source in present) or "nothing"
