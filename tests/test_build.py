@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -434,6 +435,7 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
 
 CACHE_PROBE = """\
 import os
+import re
 print("cache: " + ("reused" if os.path.exists("build/CMakeCache.txt") else "fresh"))
 os.makedirs("build", exist_ok=True)
 open("build/CMakeCache.txt", "w").write(os.environ["CPUINFER_ARM_SVE"])
@@ -462,3 +464,40 @@ def test_changed_build_settings_get_a_fresh_build_dir(ws: Path) -> None:
     assert result.data["steps"]["kt-kernel"]["cleaned"].startswith("its command, env")
     assert build_with("OFF")[1] == "reused"
     assert build_with("OFF", clean=True)[1] == "fresh"
+
+
+X86_CONFIGURE = Path(__file__).parent / "fixtures" / "build-logs" / "kt-kernel-x86-configure.log"
+
+
+def captured_x86_lines() -> str:
+    return "".join(x for x in X86_CONFIGURE.read_text().splitlines(keepends=True)
+                   if not x.startswith("# "))
+
+
+def test_marker_formats_match_a_real_configure_log() -> None:
+    # the same setup.py:94 print forwards the x86 switches; the ARM ones are not printed
+    # on x86, so swap the pair and the bundled marker must match the captured line exactly
+    log = captured_x86_lines()
+    expect = bundled_kt_step()["expect_markers"]
+    pairs = {"CPUINFER_ARM_SVE": ("CPUINFER_ENABLE_AMX", "KTRANSFORMERS_CPU_USE_AMX"),
+             "CPUINFER_ARM_BF16": ("CPUINFER_ENABLE_AVX512_BF16", "LLAMA_AVX512_BF16"),
+             "CPUINFER_ARM_I8MM": ("CPUINFER_ENABLE_AVX512_VNNI", "LLAMA_AVX512_VNNI")}
+    for env_name, (x86_env, x86_flag) in pairs.items():
+        (marker,) = [m for m in expect if f"({env_name})" in m]
+        x86 = marker.replace(env_name, x86_env).replace(env_name.replace("CPUINFER_", "LLAMA_"),
+                                                         x86_flag)
+        hit = re.search(x86, log, re.MULTILINE)
+        assert hit and hit.group(0) == f"-- Forward {x86_env} -> -D{x86_flag}=OFF", x86
+    dotprod = next(m for m in expect if "LLAMA_ARM_DOTPROD" in m)
+    assert re.search(dotprod.replace("LLAMA_ARM_DOTPROD", "LLAMA_AVX2"), log)  # '    -D...=ON'
+    assert "-- No GPU support enabled, building for CPU only" in log.splitlines()
+
+
+def test_the_npu_recipe_markers_fail_on_a_real_x86_configure_log(ws: Path) -> None:
+    (ws / KT / "replay.txt").write_text(captured_x86_lines())
+    (ws / KT / "replay.py").write_text("print(open('replay.txt').read(), end='')\n")
+    result = build.run(make_ctx(ws, [kt_step(command=["{python}", "replay.py"])]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert ("expected log marker '-- Forward (CPUINFER_ARM_SVE) -> -D(LLAMA_ARM_SVE)=(OFF)$' "
+            "not found") in msg
