@@ -151,3 +151,16 @@ def test_patch_audit_command_json_and_exit_codes(ws: Path) -> None:
     assert bad.code == 1
     assert ("error: build.steps[kt-kernel].expect_markers: 'Found Ascend CL library': no file "
             "of ktransformers, llama.cpp, pybind11 contains") in bad.out
+
+
+def test_cmake_status_prefix_need_not_stand_in_the_source(tmp_path: Path) -> None:
+    # kt-kernel/CMakeLists.txt:239 `message(STATUS "x86 detected")` prints '-- x86 detected'
+    assert audit.source_forms("-- x86 detected") == ["-- x86 detected", "x86 detected"]
+    assert audit.source_forms("-- ON") == ["-- ON"]  # too short once the prefix is gone
+    root = tmp_path / "ws"
+    commit_repo(root / KT, {"kt-kernel/CMakeLists.txt": 'message(STATUS "x86 detected")\n'})
+    report = run_audit(root, "build.steps.0.expect_markers=['^-- x86 detected$']",
+                       "build.steps.0.forbid_markers=[]",
+                       "build.steps.0.log_sources=[ktransformers]")
+    (item,) = [i for i in report.items if i.kind == "expect"]
+    assert (item.verdict, item.where) == (audit.FOUND, "ktransformers/kt-kernel/CMakeLists.txt:1")

@@ -9,14 +9,16 @@
    without the ``*.patch`` files).
 3. What is searched: a marker is a regular expression; its literal runs (text between
    metacharacters and group boundaries, escapes resolved) of 4 or more characters. Write
-   the parts the printing code fills in at run time (a format field, CMake's ``-- ``
-   prefix) as a group: ``-- Forward (CPUINFER_ARM_SVE) -> -D(LLAMA_ARM_SVE)=(OFF)``
-   matches the same lines and tells the audit which pieces the code holds verbatim.
+   the parts the printing code fills in at run time (a format field) as a group:
+   ``-- Forward (CPUINFER_ARM_SVE) -> -D(LLAMA_ARM_SVE)=(OFF)`` matches the same lines
+   and tells the audit which pieces the code holds verbatim.
    Top-level alternatives are searched one by one; optional and repeated parts are not.
+   A run may lack a leading ``-- `` in the source (CMake's ``message(STATUS)`` adds it).
 4. Verdicts: ``found`` (one file of the tree holds every run), ``missing`` (no file
    does; an error for a required marker, a warning for a forbidden or fatal one),
    ``unchecked`` (not found and part of the tree is absent: never a pass), ``no-literal``.
-5. One ``git grep -F -I -i`` per source over its tracked files (documentation excluded).
+5. One ``git grep -F -I`` per source over its tracked files (documentation excluded; ``-i``
+   only for the patterns compiled with ``re.IGNORECASE``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 from dsv4_offload.recipe import BuildStep, Recipe, Series
 from dsv4_offload.workspace import Workspace
 
+CMAKE_STATUS = "-- "  # CMake's message(STATUS ...) prefix: printed, not in the source
 MIN_RUN = 4  # shorter literal runs ('-- ', 'ON', '=') are everywhere: they prove nothing
 DOC_EXCLUDES = (":(exclude)*.md", ":(exclude)*.rst")  # prose is not code that prints
 FOUND, MISSING, UNCHECKED, NO_LITERAL = "found", "missing", "unchecked", "no-literal"
@@ -201,6 +204,13 @@ def _runs(items: list[Any], c: Any) -> list[str]:
 
 def searchable(runs: Sequence[str]) -> list[str]:
     return [r for r in runs if len(r) >= MIN_RUN]
+
+
+def source_forms(run: str) -> list[str]:
+    """How a run may stand in the source: as is, or without CMake's status prefix."""
+    # message(STATUS "x") prints "-- x": the source holds the text after the prefix
+    rest = run[len(CMAKE_STATUS):] if run.startswith(CMAKE_STATUS) else ""
+    return [run, rest] if len(rest) >= MIN_RUN else [run]
 
 
 # --- which tree a marker belongs to --------------------------------------------------------
@@ -372,7 +382,8 @@ def audit(recipe: Recipe, series: Series, dirs: Mapping[str, Path], *,
             for sc in w.tree:
                 if sc.source in present:
                     key = (sc, bool(w.flags & re.IGNORECASE))
-                    needles_by_scope.setdefault(key, set()).update(item.runs)
+                    needles_by_scope.setdefault(key, set()).update(
+                        form for r in item.runs for form in source_forms(r))
     hits: dict[Scope, dict[str, dict[Key, int]]] = {}
     searches = 0
     for (sc, icase), needles in needles_by_scope.items():
@@ -402,12 +413,14 @@ def _judge(item: MarkerAudit, w: _Wanted, present: Mapping[str, Path],
         if sc.source not in present:
             continue
         for path, found in hits.get(sc, {}).items():
-            have = [r for r in item.runs if (r, icase) in found]
+            lines = {r: next((found[(f, icase)] for f in source_forms(r)
+                              if (f, icase) in found), None) for r in item.runs}
+            have = [r for r in item.runs if lines[r] is not None]
             for r in have:
                 partial.setdefault(r, f"{sc.source}/{path}")
             if len(have) == len(item.runs):
                 item.verdict = FOUND  # the line of the first run: the head of the message
-                item.where = f"{sc.source}/{path}:{found[(item.runs[0], icase)]}"
+                item.where = f"{sc.source}/{path}:{lines[item.runs[0]]}"
                 return
     if not w.tree:
         item.verdict = UNCHECKED
