@@ -32,6 +32,8 @@ def ws(tmp_path: Path) -> Path:
     commit_repo(root / KT / "third_party/llama.cpp", {"ggml.h": "    GGML_TYPE_MXFP4 = 39,\n"})
     commit_repo(root / KT / "third_party/pybind11", {"CMakeLists.txt": "project(pybind11)\n"})
     commit_repo(root / KT, {"kt-kernel/fake_setup.py": KT_BUILD,
+                            # an archived copy, as ktransformers has one: cited after kt-kernel/
+                            "archive/csrc/setup.py": KT_BUILD,
                             ".gitignore": "third_party/llama.cpp/\nthird_party/pybind11/\n"})
     commit_repo(root / "src/cann-recipes-infer", {
         f"{DELIVERY_DIR}/README.md": "Look for 'KV Cache is allocated' in the log.\n",

@@ -466,7 +466,8 @@ def test_changed_build_settings_get_a_fresh_build_dir(ws: Path) -> None:
     assert build_with("OFF", clean=True)[1] == "fresh"
 
 
-X86_CONFIGURE = Path(__file__).parent / "fixtures" / "build-logs" / "kt-kernel-x86-setup-configure.log"
+X86_CONFIGURE = (Path(__file__).parent / "fixtures" / "build-logs"
+                 / "kt-kernel-x86-setup-configure.log")
 
 
 def captured_x86_lines() -> str:

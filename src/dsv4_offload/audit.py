@@ -281,6 +281,7 @@ class _Wanted:
     marker: str
     flags: int
     tree: list[Scope]
+    near: str = ""  # "<source>/<dir>/": files there are named first (a step's own workdir)
 
 
 def wanted_markers(recipe: Recipe, series: Series, *, steps: Sequence[str] | None = None,
@@ -291,21 +292,34 @@ def wanted_markers(recipe: Recipe, series: Series, *, steps: Sequence[str] | Non
         if steps is not None and step.name not in steps:
             continue
         tree = build_step_tree(recipe, step)
-        out += [_Wanted("expect", f"build.steps[{step.name}].expect_markers", m, 0, tree)
+        near = _workdir_in_source(recipe, step.workdir)
+        out += [_Wanted("expect", f"build.steps[{step.name}].expect_markers", m, 0, tree, near)
                 for m in step.expect_markers]
-        out += [_Wanted("forbid", f"build.steps[{step.name}].forbid_markers", m, 0, tree)
+        out += [_Wanted("forbid", f"build.steps[{step.name}].forbid_markers", m, 0, tree, near)
                 for m in step.forbid_markers]
+    # a recipe that never serves (x86 rehearsal) expects no server log lines
+    skipped = set(getattr(recipe, "not_applicable", None) or ())
     if build_only:
         return out
     tree = serve_tree(recipe, series)
     acc = recipe.acceptance
-    out += [_Wanted("required", "acceptance.log_markers_required", m, 0, tree)
-            for m in acc.log_markers_required]
-    out += [_Wanted("forbidden", "acceptance.log_markers_forbidden", m, 0, tree)
-            for m in acc.log_markers_forbidden]
-    out += [_Wanted("fatal", f"supervisor.FATAL_PATTERNS[{key}]", p, flags, tree)
-            for key, p, flags in fatal_patterns()]
+    if "accept" not in skipped:
+        out += [_Wanted("required", "acceptance.log_markers_required", m, 0, tree)
+                for m in acc.log_markers_required]
+        out += [_Wanted("forbidden", "acceptance.log_markers_forbidden", m, 0, tree)
+                for m in acc.log_markers_forbidden]
+    if "serve" not in skipped:
+        out += [_Wanted("fatal", f"supervisor.FATAL_PATTERNS[{key}]", p, flags, tree)
+                for key, p, flags in fatal_patterns()]
     return out
+
+
+def _workdir_in_source(recipe: Recipe, workdir: str) -> str:
+    holder = _source_of_path(recipe, workdir)
+    if holder is None:
+        return ""
+    rel = PurePosixPath(workdir).relative_to(recipe.source(holder).path)
+    return f"{holder}/{rel}/" if rel.parts else f"{holder}/"
 
 
 # --- searching -----------------------------------------------------------------------------
@@ -412,7 +426,10 @@ def _judge(item: MarkerAudit, w: _Wanted, present: Mapping[str, Path],
     for sc in w.tree:
         if sc.source not in present:
             continue
-        for path, found in hits.get(sc, {}).items():
+        # the step's own directory first: an archived copy elsewhere is a poorer citation
+        files = sorted(hits.get(sc, {}).items(),
+                       key=lambda kv: not f"{sc.source}/{kv[0]}".startswith(w.near or "\0"))
+        for path, found in files:
             lines = {r: next((found[(f, icase)] for f in source_forms(r)
                               if (f, icase) in found), None) for r in item.runs}
             have = [r for r in item.runs if lines[r] is not None]
