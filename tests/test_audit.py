@@ -63,6 +63,8 @@ def test_literal_runs_split_on_metacharacters_and_groups() -> None:
     assert audit.variants("Capture .*graph end")[0][1] == ["Capture ", "graph end"]
     assert [v for v, _ in audit.variants("NPU out of memory|EL0004|x(a|b)")] == [
         "NPU out of memory", "EL0004", "x(a|b)"]
+    assert audit.variants("NPU out of memory|NPU out of HBM")[1] == (
+        "NPU out of HBM", ["NPU out of HBM"])  # not the shared prefix alone
     assert audit.searchable(audit.variants(r"\d+\s+(ok)?")[0][1]) == []
 
 

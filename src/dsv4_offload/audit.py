@@ -28,7 +28,7 @@ import re
 import subprocess
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -59,6 +59,8 @@ class Scope:
 
 @dataclass
 class MarkerAudit:
+    """One marker (or one top-level alternative of it) and what the search found."""
+
     kind: str  # expect | forbid | required | forbidden | fatal
     owner: str  # where the marker is written
     marker: str
@@ -66,7 +68,7 @@ class MarkerAudit:
     runs: list[str]
     tree: list[str]  # scope labels
     verdict: str = UNCHECKED
-    where: str = ""  # <source>/<path>:<line> of the longest run, when found
+    where: str = ""  # <source>/<path>:<line> of the first run, when found
     detail: str = ""
 
     @property
@@ -86,11 +88,12 @@ class MarkerAudit:
 
 @dataclass
 class AuditReport:
+    """Every marker's verdict, the sources searched (or why not) and the time it took."""
+
     items: list[MarkerAudit]
     sources: dict[str, str]  # source -> its directory, or "absent: <why>"
     seconds: float = 0.0
     searches: int = 0
-    problems: list[str] = field(default_factory=list)
 
     def count(self, severity: str) -> int:
         return sum(1 for i in self.items if i.severity == severity)
@@ -143,19 +146,11 @@ def _constants() -> Any:
 
 def variants(pattern: str, flags: int = 0) -> list[tuple[str, list[str]]]:
     """Each top-level alternative of ``pattern`` with its literal runs (all lengths)."""
+    # split the text before parsing: the parser factors out a prefix the alternatives share
+    # ('NPU out of memory|NPU out of HBM'), which would hide an alternative nothing prints
     c = _constants()
-    parsed = list(_sre_parse(pattern, flags))
-    if len(parsed) == 1 and parsed[0][0] is c.BRANCH:
-        alternatives = parsed[0][1][1]
-        return [(_unparse_hint(pattern, i, len(alternatives)), _runs(list(alt), c))
-                for i, alt in enumerate(alternatives)]
-    return [(pattern, _runs(parsed, c))]
-
-
-def _unparse_hint(pattern: str, index: int, count: int) -> str:
-    """The text of alternative ``index`` when the top-level '|' split is plain, else a label."""
-    parts = _split_top_level(pattern)
-    return parts[index] if len(parts) == count else f"{pattern} (alternative {index + 1})"
+    return [(part, _runs(list(_sre_parse(part, flags)), c))
+            for part in _split_top_level(pattern)]
 
 
 def _split_top_level(pattern: str) -> list[str]:
