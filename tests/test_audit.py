@@ -168,3 +168,11 @@ def test_cmake_status_prefix_need_not_stand_in_the_source(tmp_path: Path) -> Non
                        "build.steps.0.log_sources=[ktransformers]")
     (item,) = [i for i in report.items if i.kind == "expect"]
     assert (item.verdict, item.where) == (audit.FOUND, "ktransformers/kt-kernel/CMakeLists.txt:1")
+
+
+def test_a_tree_git_cannot_search_is_unchecked_not_passed(ws: Path) -> None:
+    (ws / KT / ".git" / "index").write_bytes(b"not an index")
+    report = run_audit(ws)
+    assert report.sources["ktransformers"].startswith("absent: git grep failed: ")
+    item = by_marker(report, r"Ascend NPU \(CANN\) backend selected")
+    assert item.verdict == audit.UNCHECKED and "absent: ktransformers" in item.detail

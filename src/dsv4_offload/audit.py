@@ -396,8 +396,14 @@ def audit(recipe: Recipe, series: Series, dirs: Mapping[str, Path], *,
     hits: dict[Scope, dict[str, dict[Key, int]]] = {}
     searches = 0
     for (sc, icase), needles in needles_by_scope.items():
-        if needles:
-            found = grep_scope(present[sc.source], sc, sorted(needles), ignore_case=icase)
+        if needles and sc.source in present:
+            try:
+                found = grep_scope(present[sc.source], sc, sorted(needles), ignore_case=icase)
+            except (RuntimeError, OSError, subprocess.TimeoutExpired) as exc:
+                # e.g. git's "dubious ownership" in a container: unsearched is not passed
+                sources[sc.source] = f"absent: git grep failed: {str(exc).splitlines()[0]}"
+                del present[sc.source]
+                continue
             merged = hits.setdefault(sc, {})
             for rel, keys in found.items():
                 merged.setdefault(rel, {}).update(keys)
