@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,24 +23,45 @@ KT = "src/ktransformers/kt-kernel"
 SGL = "src/ktransformers/third_party/sglang/python"
 ASCENDC = "src/cann-recipes-infer/ascendc_mxfp4"
 
-# stands in for kt-kernel's setup.py: prints the configure lines the recipe expects and
-# leaves the extension in the package dir, as `build_ext --inplace` does
+# stands in for kt-kernel's setup.py on a Kunpeng-920 with CANN: it prints the configure
+# lines of the patched kt-kernel (ktransformers d7b5b49 + main_repo/0001+0002) in their real
+# formats: setup.py:94 (the CPUINFER_ARM_* forwards, pairs of setup.py:727-731), setup.py:738
+# (dotprod detected), CMakeLists.txt:217-234 (the ARM target, CMake adds '-- '), :486 and
+# :506; it leaves the extension in the package dir, as `build_ext --inplace` does
 KT_BUILD = """\
 import os, sys
-print("-- LLAMA_ARM_DOTPROD=ON")
-print("-- CPUINFER_ARM_SVE=" + os.environ.get("CPUINFER_ARM_SVE", "?"))
-print(os.environ.get("KT_EXTRA_LINE", "-- Found Ascend CL library: /usr/local/Ascend/lib64"))
+ARM = (("CPUINFER_ARM_SVE", "LLAMA_ARM_SVE", "+sve"), ("CPUINFER_ARM_BF16", "LLAMA_ARM_BF16",
+       "+bf16"), ("CPUINFER_ARM_I8MM", "LLAMA_ARM_I8MM", "+i8mm"))
+def on(env_name): return os.environ.get(env_name, "OFF").lower() in ("1", "on", "true")
+arch = "armv8.2-a" + "+fp16" + "+dotprod"
+for env_name, cmake_flag, feature in ARM:
+    if env_name in os.environ:
+        print(f"-- Forward {env_name} -> -D{cmake_flag}={'ON' if on(env_name) else 'OFF'}")
+    arch += feature if on(env_name) else ""
+print("-- aarch64 ARM_DOTPROD detected; -DLLAMA_ARM_DOTPROD=ON")
+print("-- ARM target: -march=" + arch)
+print("-- Ascend NPU (CANN) backend selected")
+ACL = "/usr/local/Ascend/ascend-toolkit/latest/lib64/libascendcl.so"
+print(os.environ.get("KT_EXTRA_LINE", "-- Ascend CL library: " + ACL))
 open("python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so", "wb").close()
 open("cc-seen.txt", "w").write(os.environ.get("CC", "") + " " + sys.executable)
 sys.exit(int(os.environ.get("KT_EXIT", "0")))
 """
+ARM_OFF = {"CPUINFER_ARM_SVE": "OFF", "CPUINFER_ARM_BF16": "OFF", "CPUINFER_ARM_I8MM": "OFF"}
+
+
+def bundled_kt_step() -> dict[str, Any]:
+    doc = yaml.safe_load((BUNDLED_RECIPES / "dsv4-flash-910b.yaml").read_text())
+    return next(s for s in doc["build"]["steps"] if s["name"] == "kt-kernel")
 
 
 def kt_step(**extra: Any) -> dict[str, Any]:
+    """The bundled recipe's kt-kernel markers, run against the stand-in setup.py."""
+    real = bundled_kt_step()
     step = {"name": "kt-kernel", "workdir": KT, "command": ["{python}", "fake_setup.py"],
-            "env": {"CPUINFER_ARM_SVE": "OFF"},
-            "expect_markers": ["LLAMA_ARM_DOTPROD=ON", r"Found Ascend CL library"],
-            "forbid_markers": ["llamafile not supported"], "check_import": "kt_kernel"}
+            "env": dict(ARM_OFF), "log_sources": real["log_sources"],
+            "expect_markers": real["expect_markers"], "forbid_markers": real["forbid_markers"],
+            "check_import": "kt_kernel"}
     step.update(extra)
     return step
 
@@ -47,7 +69,9 @@ def kt_step(**extra: Any) -> dict[str, Any]:
 def sglang_step(**extra: Any) -> dict[str, Any]:
     step = {"name": "sglang", "workdir": SGL,
             "command": ["{python}", "-c", "print('Successfully installed sglang')"],
-            "expect_markers": ["Successfully installed"], "check_import": "sglang"}
+            # pip prints it, not sglang's code: no tree to audit
+            "expect_markers": ["Successfully installed"], "log_sources": [],
+            "check_import": "sglang"}
     step.update(extra)
     return step
 
@@ -118,32 +142,57 @@ def test_steps_run_markers_match_products_import(ws: Path) -> None:
     ext = "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so"
     assert steps["kt-kernel"]["products"] == [ext]
     log = ws / "logs" / "build" / "kt-kernel.log"
-    assert "CPUINFER_ARM_SVE=OFF" in log.read_text()  # the step's env reached the command
+    # the step's env reached the command
+    assert "-- Forward CPUINFER_ARM_SVE -> -DLLAMA_ARM_SVE=OFF" in log.read_text()
     assert result.outputs["steps"].keys() == {"kt-kernel", "sglang"}
     assert [str(ws / KT), str(ws / SGL)] == result.outputs["pythonpath"]
 
 
 def test_missing_marker_fails_naming_it_and_the_log(ws: Path, monkeypatch: pytest.MonkeyPatch
                                                     ) -> None:
-    monkeypatch.setenv("KT_EXTRA_LINE", "-- Could NOT find Ascend CL")
+    monkeypatch.setenv("KT_EXTRA_LINE", "")  # CANN's libascendcl not reported
     result = build.run(make_ctx(ws, [kt_step(), sglang_step()]))
     assert result.status is Status.FAILED
     (msg,) = errors(result)
-    assert "expected log marker 'Found Ascend CL library' not found" in msg
+    assert "expected log marker 'Ascend CL library: \\S*ascendcl' not found" in msg
     assert "set_env.sh" in result.problems[0].fix  # the usual cause, named
     assert str(ws / "logs" / "build" / "kt-kernel.log") in msg
     assert "sglang" not in result.data["steps"]  # stops at the first failure
 
 
+def test_sve_on_the_arm_target_line_fails_with_the_fix(ws: Path) -> None:
+    result = build.run(make_ctx(ws, [kt_step(env={**ARM_OFF, "CPUINFER_ARM_SVE": "ON"})]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert "forbidden log marker 'ARM target: -march=\\S*\\+(sve|bf16|i8mm)' found" in msg
+    assert "'-- ARM target: -march=armv8.2-a+fp16+dotprod+sve'" in msg  # the line, quoted
+    assert "CPUINFER_ARM_SVE=OFF" in result.problems[0].fix
+    assert "--clean" in result.problems[0].fix
+
+
 def test_forbidden_marker_fails_quoting_the_line(ws: Path, monkeypatch: pytest.MonkeyPatch
                                                  ) -> None:
-    monkeypatch.setenv("KT_EXTRA_LINE", "RuntimeError: llamafile not supported on this CPU "
-                                        "-- Found Ascend CL library")
+    monkeypatch.setenv("KT_EXTRA_LINE", "-- ARM target: -march=armv8.2-a+fp16+dotprod+i8mm")
     result = build.run(make_ctx(ws, [kt_step()]))
     assert result.status is Status.FAILED
     (msg,) = errors(result)
-    assert "forbidden log marker 'llamafile not supported' found" in msg
-    assert "RuntimeError: llamafile not supported on this CPU" in msg
+    assert "forbidden log marker" in msg
+    assert "'-- ARM target: -march=armv8.2-a+fp16+dotprod+i8mm'" in msg
+
+
+def test_unprintable_required_marker_refuses_the_build(ws: Path) -> None:
+    # the guide's marker, which no file of the patched tree prints (delivery-audit item 1)
+    # (only ktransformers is laid out here: with llama.cpp absent it would be 'unchecked')
+    step = kt_step(expect_markers=["Found Ascend CL library"], log_sources=["ktransformers"])
+    result = build.run(make_ctx(ws, [step]))
+    assert result.status is Status.FAILED
+    assert result.summary.startswith("build refused")
+    (problem,) = [p for p in result.problems if p.severity == "error"]
+    assert "'Found Ascend CL library' cannot be printed" in problem.message
+    assert "no file of ktransformers contains 'Found Ascend CL library'" in problem.message
+    assert "recipe's marker is wrong" in problem.fix and "patch apply" in problem.fix
+    assert "kt-kernel" not in result.data["steps"]  # nothing compiled
+    assert not (ws / "logs" / "build" / "kt-kernel.log").exists()
 
 
 def test_failing_command_shows_excerpt_and_log(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -209,7 +258,7 @@ def test_wrong_python_version_fails_preflight(ws: Path) -> None:
 
 def test_markers_only_count_this_runs_output(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert build.run(make_ctx(ws, [kt_step()])).ok
-    monkeypatch.setenv("KT_EXTRA_LINE", "-- Could NOT find Ascend CL")
+    monkeypatch.setenv("KT_EXTRA_LINE", "")
     again = build.run(make_ctx(ws, [kt_step()]))
     assert again.status is Status.FAILED  # the first run's marker, still in the log, is ignored
     assert os.readlink(ws / KT / "kt_kernel") == "python"  # the link survived the rerun
@@ -343,8 +392,8 @@ def test_steps_built_one_at_a_time_add_up(ws: Path) -> None:
 
 NATIVE_SETUP = """\
 from setuptools import Extension, setup
-print("-- LLAMA_ARM_DOTPROD=ON")
-print("-- Found Ascend CL library")
+import runpy
+runpy.run_path("print_lines.py")  # the configure lines of the patched kt-kernel
 setup(name="kt_kernel", packages=["kt_kernel"], package_dir={"kt_kernel": "python"},
       ext_modules=[Extension("kt_kernel.kt_kernel_ext", ["ext.c"])])
 """
@@ -370,6 +419,7 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
     monkeypatch.setenv("CPATH", str(inc))
     kt = ws / KT
     (kt / "setup.py").write_text(NATIVE_SETUP)
+    (kt / "print_lines.py").write_text(KT_BUILD.split('open("python/')[0])
     (kt / "ext.c").write_text(NATIVE_EXT)
     (kt / "python" / "__init__.py").write_text("from .kt_kernel_ext import cores\n")
     step = kt_step(command=["{python}", "setup.py", "build_ext", "--inplace"])
@@ -385,8 +435,7 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
 
 CACHE_PROBE = """\
 import os
-print("-- LLAMA_ARM_DOTPROD=ON")
-print("-- Found Ascend CL library")
+import re
 print("cache: " + ("reused" if os.path.exists("build/CMakeCache.txt") else "fresh"))
 os.makedirs("build", exist_ok=True)
 open("build/CMakeCache.txt", "w").write(os.environ["CPUINFER_ARM_SVE"])
@@ -400,7 +449,9 @@ def test_changed_build_settings_get_a_fresh_build_dir(ws: Path) -> None:
     log = ws / "logs" / "build" / "kt-kernel.log"
 
     def build_with(sve: str, **options: Any) -> Any:
-        ctx = make_ctx(ws, [kt_step(env={"CPUINFER_ARM_SVE": sve})])
+        # markers are not the point here (and SVE on would be forbidden)
+        ctx = make_ctx(ws, [kt_step(env={"CPUINFER_ARM_SVE": sve}, expect_markers=[],
+                                    forbid_markers=[])])
         with ctx.workspace.lock("build"):
             result = pipeline.run_stage(ctx, "build", options)
         assert result.ok, result.problems
@@ -413,3 +464,41 @@ def test_changed_build_settings_get_a_fresh_build_dir(ws: Path) -> None:
     assert result.data["steps"]["kt-kernel"]["cleaned"].startswith("its command, env")
     assert build_with("OFF")[1] == "reused"
     assert build_with("OFF", clean=True)[1] == "fresh"
+
+
+X86_CONFIGURE = (Path(__file__).parent / "fixtures" / "build-logs"
+                 / "kt-kernel-x86-setup-configure.log")
+
+
+def captured_x86_lines() -> str:
+    return "".join(x for x in X86_CONFIGURE.read_text().splitlines(keepends=True)
+                   if not x.startswith("# "))
+
+
+def test_marker_formats_match_a_real_configure_log() -> None:
+    # the same setup.py:94 print forwards the x86 switches; the ARM ones are not printed
+    # on x86, so swap the pair and the bundled marker must match the captured line exactly
+    log = captured_x86_lines()
+    expect = bundled_kt_step()["expect_markers"]
+    pairs = {"CPUINFER_ARM_SVE": ("CPUINFER_ENABLE_AMX", "KTRANSFORMERS_CPU_USE_AMX"),
+             "CPUINFER_ARM_BF16": ("CPUINFER_ENABLE_AVX512_BF16", "LLAMA_AVX512_BF16"),
+             "CPUINFER_ARM_I8MM": ("CPUINFER_ENABLE_AVX512_VNNI", "LLAMA_AVX512_VNNI")}
+    for env_name, (x86_env, x86_flag) in pairs.items():
+        (marker,) = [m for m in expect if f"({env_name})" in m]
+        x86 = marker.replace(env_name, x86_env).replace(env_name.replace("CPUINFER_", "LLAMA_"),
+                                                         x86_flag)
+        hit = re.search(x86, log, re.MULTILINE)
+        assert hit and hit.group(0) == f"-- Forward {x86_env} -> -D{x86_flag}=OFF", x86
+    dotprod = next(m for m in expect if "LLAMA_ARM_DOTPROD" in m)
+    assert re.search(dotprod.replace("LLAMA_ARM_DOTPROD", "LLAMA_AVX2"), log)  # '    -D...=ON'
+    assert "-- No GPU support enabled, building for CPU only" in log.splitlines()
+
+
+def test_the_npu_recipe_markers_fail_on_a_real_x86_configure_log(ws: Path) -> None:
+    (ws / KT / "replay.txt").write_text(captured_x86_lines())
+    (ws / KT / "replay.py").write_text("print(open('replay.txt').read(), end='')\n")
+    result = build.run(make_ctx(ws, [kt_step(command=["{python}", "replay.py"])]))
+    assert result.status is Status.FAILED
+    (msg,) = errors(result)
+    assert ("expected log marker '-- Forward (CPUINFER_ARM_SVE) -> -D(LLAMA_ARM_SVE)=(OFF)$' "
+            "not found") in msg

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -99,6 +100,17 @@ def test_a3_host_warns_about_sve_and_passes_the_rest(monkeypatch: pytest.MonkeyP
     assert checks["gcc-13"]["observed"] == "13.2.0"  # the A3 recipe's compiler, not gcc 10
     assert result.data["device"] == 3  # an idle die, by its device id
     assert [p.severity for p in result.problems] == ["warning"]
+
+
+def test_a_cpu_without_fp16_arithmetic_fails(tmp_path: Path) -> None:
+    # pitfall 7: the build targets -march=armv8.2-a+fp16+dotprod, so asimdhp is needed too
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    facts = facts_of("kunpeng920-910b", recipe)
+    assert "asimdhp" in facts.cpu_flags  # the captured Kunpeng-920 has it
+    no_fp16 = dataclasses.replace(facts, cpu_flags=facts.cpu_flags - {"asimdhp"})
+    (flags,) = [c for c in doctor.check_cpu(recipe, no_fp16) if c.name == "cpu-flags"]
+    assert flags.status == "fail" and flags.observed == "missing asimdhp"
+    assert "asimdhp" in flags.fix
 
 
 def test_x86_without_npu_fails_on_arch_and_npu(monkeypatch: pytest.MonkeyPatch,

@@ -71,6 +71,30 @@ def test_check_leaves_a_fetched_and_patched_workspace_alone(
 
 
 @pytest.mark.usefixtures("git_home")
+def test_check_includes_the_marker_audit_of_the_patched_workspace(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    import yaml
+
+    project = write_project(tmp_path / "p", upstreams, ["main-core", "sub-mbox"])  # clean
+    ws = tmp_path / "ws"
+    code, doc = run_cli(project.cli(ws) + ["patch", "check"], capsys)
+    assert code == 0, doc  # nothing laid out: the sglang-side markers are unchecked
+    assert doc["data"]["audit"]["ok"] is True
+    assert run_cli(project.cli(ws) + ["fetch"], capsys)[0] == 0
+    assert run_cli(project.cli(ws) + ["patch", "apply"], capsys)[0] == 0
+    recipe = yaml.safe_load(project.recipe.read_text())
+    # a line the patched tree prints (main-core's change) and one that nothing prints
+    recipe["acceptance"]["log_markers_required"] = ["core line 15 patched", "KV Cache is allocated"]
+    project.recipe.write_text(yaml.safe_dump(recipe, sort_keys=False, allow_unicode=True))
+    code, doc = run_cli(project.cli(ws) + ["patch", "check"], capsys)
+    assert code == 1 and doc["status"] == "failed"
+    assert doc["data"]["ok"] is True  # every patch applies cleanly: the audit failed it
+    verdicts = {m["marker"]: (m["verdict"], m["where"]) for m in doc["data"]["audit"]["markers"]}
+    assert verdicts["core line 15 patched"] == ("found", "main/src/core.c:15")
+    assert verdicts["KV Cache is allocated"] == ("missing", "")
+
+
+@pytest.mark.usefixtures("git_home")
 def test_check_against_a_newer_upstream_rev(tmp_path: Path, upstreams: Upstreams,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     project = write_project(tmp_path / "p", upstreams,

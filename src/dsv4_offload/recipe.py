@@ -172,6 +172,10 @@ class BuildStep(Strict):
     env: dict[str, str] = {}
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
+    log_sources: list[Name] | None = Field(
+        None, description="sources whose code prints this step's markers (`patch audit`); "
+        "default: the source holding workdir and those nested in it; [] = the command itself "
+        "(pip, cmake) prints them: not audited")
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = False
     description: str = ""
@@ -495,6 +499,11 @@ class Recipe(Strict):
         if unknown:
             raise ValueError(f"not_applicable: '{unknown[0]}' is not a stage; stages are "
                              f"{', '.join(STAGE_NAMES)}")
+        for step in self.build.steps:
+            for name in step.log_sources or []:
+                if name not in names:
+                    raise ValueError(f"build step '{step.name}': log_sources '{name}' is not a "
+                                     f"source name; use one of {names}")
         manifest = self.conversion.digests_manifest
         if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")

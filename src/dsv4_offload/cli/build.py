@@ -34,7 +34,8 @@ def build(
 
     \b
     1. Preflight: the build python and its version; cmake, the C compiler and the
-       hwloc/numa headers for kt-kernel.
+       hwloc/numa headers for kt-kernel; `patch audit` of the steps' markers (a
+       required one no file of the patched tree can print refuses the build).
     2. Each step in recipe order, in its workdir, with its env (and CC/CXX of the
        platform); output in <workspace>/logs/build/<step>.log.
     3. The step's log must show every expected marker (regular expressions) and no

@@ -26,6 +26,7 @@ STATUS_STYLE = {
     "ok": "green", "done": "green", "pass": "green", "clean": "green", "skipped": "dim",
     "skip": "dim", "warn": "yellow", "stale": "yellow", "offset": "yellow", "pending": "dim",
     "running": "cyan", "failed": "red", "fail": "red", "error": "red", "interrupted": "red",
+    "found": "green", "missing": "red", "unchecked": "yellow", "no-literal": "yellow",
 }
 
 

@@ -148,6 +148,51 @@ def patch_refresh(
                 lines=[f"patch refresh: {refreshed} patch file(s) regenerated"])
 
 
+@patch_app.command("audit")
+def patch_audit(ctx: typer.Context) -> None:
+    """Can the patched trees print every log text the tool waits for or fears?
+
+    \b
+    1. The texts: the build steps' expect/forbid markers, the acceptance log markers and
+       the serve supervisor's fatal patterns.
+    2. Their trees: a build step's log_sources (default: the source holding its workdir and
+       those nested in it); acceptance and serve: every source but the delivery, plus the
+       delivery's scripts.
+    3. Each literal run (4+ characters, between regex metacharacters and groups) is
+       searched with `git grep -F` in the workspace's checkouts; one file must hold them all.
+    4. A required marker nothing prints is an error (exit 1); a forbidden or fatal one a
+       warning; a marker whose tree is not fetched is 'unchecked', never passed.
+    """
+    from dsv4_offload import gitsrc
+
+    pctx = kit.load_context(ctx, "patch")
+    gitsrc.require_git()
+    report = _audit(pctx)
+    kit.emit(ctx, command="patch audit", status=report.status, data=report.as_dict(),
+             table=_shown(ctx, _audit_table(report)),
+             lines=[f"patch audit: {report.summary()}", *_audit_errors(report)])
+    kit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+
+
+def _audit(pctx: Any) -> Any:
+    from dsv4_offload import audit
+
+    return audit.audit(pctx.recipe, pctx.series,
+                       audit.workspace_dirs(pctx.recipe, pctx.workspace))
+
+
+def _audit_table(report: Any) -> Any:
+    rows = [(i.kind, i.owner, i.variant, i.verdict, i.where or i.detail) for i in report.items]
+    return _table(("kind", "owner", "marker", "verdict", "where / why"), rows, status_col=3)
+
+
+def _audit_errors(report: Any) -> list[str]:
+    from dsv4_offload import audit
+
+    return [f"error: {i.owner}: '{i.marker}': {i.detail}; fix: {audit.refusal_fix(i)}"
+            for i in report.errors()]
+
+
 @patch_app.command("check")
 def patch_check(
     ctx: typer.Context,
@@ -167,7 +212,9 @@ def patch_check(
     2. Per target, a scratch worktree at the pinned commit (or --rev TARGET=REF).
     3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /
        already-upstream; then apply it so the next patch sees the tree it expects.
-    4. Exit 0 only when every checked patch is clean.
+    4. `patch audit` of the log markers against the workspace's patched trees
+       (unchecked where none is laid out).
+    5. Exit 0 only when every checked patch is clean and no required marker is missing.
     """
     from pathlib import Path
 
@@ -194,14 +241,19 @@ def patch_check(
                                 series_ops.markdown_summary(report).encode("utf-8"))
     data: dict[str, Any] = report.as_dict()
     data["log"] = str(log)
+    # the markers against the workspace's patched trees (unchecked where none is laid out)
+    audited = _audit(pctx)
+    data["audit"] = audited.as_dict()
     table = _table(("patch", "target", "base", "result", "detail"),
                    [(r.name, r.target, r.base[:12], r.status, r.detail) for r in report.rows],
                    status_col=3)
     counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    verdict = "ok" if report.ok else "failed"
+    ok = report.ok and audited.ok
+    verdict = "ok" if ok else "failed"
     kit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
-                lines=[f"patch check: {verdict} — {counts}; log: {log}"])
-    kit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+                lines=[f"patch check: {verdict} — {counts}; log: {log}",
+                       f"patch audit: {audited.summary()}", *_audit_errors(audited)])
+    kit.exit_with(ExitCode.OK if ok else ExitCode.FAILED)
 
 
 def _shown(ctx: typer.Context, table: Any) -> Any:

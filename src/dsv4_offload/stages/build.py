@@ -3,13 +3,16 @@
 1. Preflight: the build python exists and is the recipe's ``host.python`` (the extension
    binds to the interpreter that builds it); steps that compile natively (``build_ext``)
    need cmake, a C compiler and the hwloc/numa headers.
+   Then `patch audit` of the steps' markers: a required marker that no file of its tree
+   can print (:mod:`dsv4_offload.audit`) refuses the build before anything compiles.
 2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
    ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python
    (``{tool_python}``, ``{workspace}``: see :func:`expand_command`), its output in
    ``logs/build/<step>.log``.
-3. Its log (this run's part) must match every ``expect_markers`` and no ``forbid_markers``
-   entry. Markers are Python regular expressions searched line by line (``re.search``); plain
-   text without metacharacters matches itself, the same rule as the acceptance log markers.
+3. Its log (this run's part) must match no ``forbid_markers`` entry (checked first: it
+   names the cause) and every ``expect_markers`` entry. Markers are Python
+   regular expressions searched line by line (``re.search``); plain text without
+   metacharacters matches itself, the same rule as the acceptance log markers.
 4. ``check_import`` runs ``<python> -c "import X"`` with the PYTHONPATH the server gets
    (:func:`runtime_pythonpath`); for kt-kernel that needs a ``kt_kernel -> python`` link.
 5. An optional step that fails is a warning; one whose compiler is missing is skipped.
@@ -61,6 +64,12 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
 )
 # log pattern -> the fix; first match wins, so the most specific come first
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
+    # kt-kernel/CMakeLists.txt:225-234 (patched) append +sve/+bf16/+i8mm to the ARM target
+    (r"ARM target: -march=\S*\+(sve|bf16|i8mm)",
+     "kt-kernel was configured with SVE, BF16 or I8MM, which the Kunpeng-920 lacks (SIGILL, "
+     "or 'llamafile not supported' in the MXFP4 MoE): keep CPUINFER_ARM_SVE=OFF, "
+     "CPUINFER_ARM_BF16=OFF and CPUINFER_ARM_I8MM=OFF in the kt-kernel step's env, then "
+     "`dsv4-offload build kt-kernel --clean`"),
     (r"llamafile not supported",
      "kt-kernel was built with ARM SVE: keep CPUINFER_ARM_SVE=OFF, CPUINFER_ARM_BF16=OFF and "
      "CPUINFER_ARM_I8MM=OFF in the kt-kernel step's env, then `dsv4-offload build kt-kernel "
@@ -240,6 +249,29 @@ def preflight(ctx: StageContext, python: str, steps: list[BuildStep],
 # --- the stage ------------------------------------------------------------------------------
 
 
+def marker_audit(ctx: StageContext, steps: list[BuildStep], data: dict[str, Any]
+                 ) -> list[Problem]:
+    """`patch audit` of the steps' markers: a required one no file can print refuses the build
+    before hours of compiling end in 'expected log marker not found'."""
+    from dsv4_offload import audit
+
+    try:
+        report = audit.audit(ctx.recipe, ctx.series, audit.workspace_dirs(
+            ctx.recipe, ctx.workspace), steps=[s.name for s in steps], build_only=True)
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return [Problem("warning", f"marker audit not run: {exc}", check="patch-audit",
+                        fix="run `dsv4-offload patch audit` to see why")]
+    data["audit"] = report.as_dict()
+    problems = []
+    for item in report.items:
+        if item.severity == "error":
+            problems.append(Problem(
+                "error", f"{item.owner}: '{item.marker}' cannot be printed: {item.detail}",
+                fix=audit.refusal_fix(item),
+                check="patch-audit"))
+    return problems  # unchecked ones (a tree not fetched) stay in data["audit"]
+
+
 def step_env(ctx: StageContext, step: BuildStep | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if ctx.recipe.platform.cc:
@@ -259,6 +291,11 @@ def run(ctx: StageContext) -> StageResult:
     if any(p.severity == "error" for p in problems):
         return StageResult(Status.FAILED, "build preflight failed", data=data, problems=problems,
                            log=str(ctx.log_dir))
+    audit_problems = marker_audit(ctx, steps, data)
+    problems += audit_problems
+    if any(p.severity == "error" for p in audit_problems):
+        return StageResult(Status.FAILED, "build refused: a required log marker cannot be "
+                           "printed by its tree", data=data, problems=problems)
     hooks_dir = _hooks_dir(ctx.workspace.tree_dir(ctx.recipe))
     previous = _previous_outputs(ctx)
     reports: list[StepReport] = []
@@ -416,18 +453,19 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         excerpt = failure_excerpt(result.tail)
         tail = f": {excerpt[-1]}" if excerpt else ""
         return _fail(report, step, f"exit code {result.returncode}{tail} (see the log: {log})")
-    for marker in step.expect_markers:
-        if not _compile(marker, step, "expect_markers").search(text):
-            report.hint = report.hint or next(
-                (hint for word, hint in MARKER_HINTS if word in marker), "")
-            return _fail(report, step, f"expected log marker '{marker}' not found "
-                                       f"(see the log: {log})")
+    # a forbidden line names the cause (e.g. '+sve' on the ARM target line); check it first
     for marker in step.forbid_markers:
         hit = _compile(marker, step, "forbid_markers").search(text)
         if hit:
             line = text[text.rfind("\n", 0, hit.start()) + 1:].split("\n", 1)[0].strip()
             return _fail(report, step, f"forbidden log marker '{marker}' found: "
                                        f"'{line[:120]}' (see the log: {log})")
+    for marker in step.expect_markers:
+        if not _compile(marker, step, "expect_markers").search(text):
+            report.hint = report.hint or next(
+                (hint for word, hint in MARKER_HINTS if word in marker), "")
+            return _fail(report, step, f"expected log marker '{marker}' not found "
+                                       f"(see the log: {log})")
     if step.check_import:
         error = check_import(python, step.check_import, runtime_pythonpath(
             ctx.workspace, ctx.recipe), env, log)

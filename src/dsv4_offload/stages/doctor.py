@@ -146,8 +146,9 @@ def check_cpu(recipe: Recipe, facts: HostFacts) -> list[Check]:
         f"missing {', '.join(missing)}" if missing else ", ".join(host.cpu_flags_required),
         "CPU flags " + ", ".join(host.cpu_flags_required),
         "" if not missing else (
-            "use an ARMv8.2-A CPU with NEON and dotprod (asimddp in /proc/cpuinfo, e.g. "
-            "Kunpeng-920); without dotprod the SDOT kernel dies with SIGILL" if arm else
+            "use an ARMv8.2-A CPU with NEON, dotprod and fp16 (asimddp and asimdhp in "
+            "/proc/cpuinfo, e.g. Kunpeng-920); kt-kernel is built with -march=armv8.2-a+fp16"
+            "+dotprod, so without them its kernels die with SIGILL" if arm else
             "use a CPU with these flags: the kt-kernel build targets them (e.g. AVX2 for "
             "CPUINFER_CPU_INSTRUCT=AVX2) and dies with SIGILL without them"),
     ))
