@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -587,24 +587,14 @@ class CheckReport:
                 "patches": [asdict(r) for r in self.rows]}
 
 
-@contextlib.contextmanager
-def scratch_worktree(cache_repo: Path, commit: str, parent: Path, log: Path) -> Iterator[Path]:
-    """A detached worktree of the cache at ``commit``, removed afterwards."""
-    path = parent / cache_repo.stem
-    _git(cache_repo, ["worktree", "prune"], log, check=False)  # a killed check's leftovers
-    _git(cache_repo, ["worktree", "add", "-q", "--detach", str(path), commit], log)
-    try:
-        yield path
-    finally:
-        _git(cache_repo, ["worktree", "remove", "--force", str(path)], log, check=False)
-        _git(cache_repo, ["worktree", "prune"], log, check=False)
-
-
 def check_series(recipe: Recipe, series: Series, log: Path, *,
                  mirrors: dict[str, list[str]] | None = None,
                  revs: dict[str, str] | None = None,
                  only: Sequence[str] | None = None) -> CheckReport:
-    """Apply the series in scratch worktrees of the cache; never touches a workspace."""
+    """Try the series against each target's commit in a temporary index of the cache (no
+    checkout, only the touched files' blobs read); never touches a workspace."""
+    from dsv4_offload.indexcheck import IndexTree, check_and_carry
+
     revs = dict(revs or {})
     targets = series_targets(series, only)
     for t in revs:
@@ -626,33 +616,12 @@ def check_series(recipe: Recipe, series: Series, log: Path, *,
             else:
                 base = gitsrc.fetch_commit(source, log=log, mirrors=mirrors).commit
             bases[target] = base
-            cache = gitsrc.cache_repo_path(target)
-            with scratch_worktree(cache, base, Path(tmp), log) as tree:
-                env = commit_env(tree, base)
-                for patch in (p for p in loaded if p.entry.target == target):
-                    rows.append(_check_one(tree, patch, base, Path(tmp), log, env))
+            tree = IndexTree(gitsrc.cache_repo_path(target), base, Path(tmp) / target, log)
+            for patch in (p for p in loaded if p.entry.target == target):
+                c, seconds = check_and_carry(tree, patch.entry, patch.write_to(Path(tmp)))
+                rows.append(CheckRow(patch.entry.name, target, base, c.status, c.detail,
+                                     c.hunks, seconds))
     return CheckReport(rows, bases)
-
-
-def _check_one(tree: Path, patch: LoadedPatch, base: str, tmp: Path, log: Path,
-               env: dict[str, str]) -> CheckRow:
-    start = time.monotonic()
-    patch_file = patch.write_to(tmp)
-    c = classify(tree, patch_file, patch.entry.strip, log)
-    # apply what can be applied so the next patches see the tree they expect
-    if c.status in (CLEAN, OFFSET):
-        try:
-            apply_one(tree, patch, patch_file, log, env)
-        except CommandFailed as exc:
-            rollback(tree, "HEAD", log)
-            c = Classification(FAILS, f"git {patch.entry.method} failed: {exc.message}")
-    elif c.status == FUZZ:
-        _gnu_patch(tree, patch_file, patch.entry.strip, log, dry_run=False)
-        _git(tree, ["add", "-A"], log, env)
-        _git(tree, [*NO_HOOKS, "commit", "-q", "--no-verify", "-m",
-                    commit_message(patch)], log, env, check=False)
-    return CheckRow(patch.entry.name, patch.entry.target, base, c.status, c.detail, c.hunks,
-                    round(time.monotonic() - start, 3))
 
 
 def junit_xml(report: CheckReport) -> bytes:

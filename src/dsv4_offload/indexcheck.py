@@ -1,0 +1,200 @@
+"""Index-only patch checks: a patch tried against a commit without a checkout.
+
+The commit's tree is read into a temporary index (``GIT_INDEX_FILE=tmp git read-tree``) and
+``git apply --cached --check`` runs against it, so a check reads only the blobs of the files
+the patch touches (in a blob-less cache they are fetched on demand) and costs milliseconds.
+GNU ``patch`` (the fuzz fallback) needs files: only the touched ones are written out, from the
+index. A patch that applies is then applied to the same index, so the next patch of the
+series meets the tree it expects. The classification is :func:`series.classify`'s.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsv4_offload import gitsrc
+from dsv4_offload.errors import InputError
+from dsv4_offload.runner import run_command
+from dsv4_offload.series import (
+    _GIT_APPLY_ERROR,
+    _GNU_FUZZ,
+    _HUNK_FAILED,
+    _OFFSET,
+    CHECK_FUZZ,
+    CLEAN,
+    FAILS,
+    FUZZ,
+    OFFSET,
+    UPSTREAM,
+    Classification,
+)
+
+if TYPE_CHECKING:
+    from dsv4_offload.recipe import PatchEntry
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a series ``method`` is tried against a tree: the one place to add a method."""
+
+    apply_args: tuple[str, ...] = ()  # extra `git apply` options (check and index apply)
+    mail: bool = False  # a mail from `git format-patch`: `git am` semantics (the diff part)
+
+
+# `git am` applies a mail's diff with `git apply`, so an index check of an mbox is the
+# same `git apply --cached`; only committing it differs (author and message from the mail)
+METHODS: dict[str, Method] = {"plain": Method(), "mbox": Method(mail=True)}
+
+
+def method_of(entry: PatchEntry) -> Method:
+    method = METHODS.get(entry.method)
+    if method is None:
+        raise InputError(f"patch '{entry.name}': method '{entry.method}' has no index check; "
+                         f"use one of {sorted(METHODS)}")
+    return method
+
+
+def touched_paths(repo: Path, patch_file: Path, strip: int, log: Path) -> list[str]:
+    """Every path the patch reads or writes (both names of a rename), from ``--numstat``."""
+    res = run_command(["git", "apply", "--numstat", "-z", f"-p{strip}", str(patch_file)],
+                      log=log, cwd=repo, env=gitsrc.git_env(), check=False)
+    if res.returncode != 0:
+        return []
+    # the runner splits on newlines; -z output is one "line" of NUL-separated fields:
+    # "A\tD\tpath\0" or, for a rename, "A\tD\t\0old\0new\0"
+    fields = "\n".join(res.tail).split("\0")
+    out: list[str] = []
+    i = 0
+    while i < len(fields):
+        head = fields[i]
+        parts = head.split("\t")
+        if len(parts) == 3 and parts[2]:
+            out.append(parts[2])
+            i += 1
+        elif len(parts) == 3 and i + 2 < len(fields):
+            out += [fields[i + 1], fields[i + 2]]
+            i += 3
+        else:
+            i += 1
+    return list(dict.fromkeys(p.strip("\n") for p in out if p.strip("\n")))
+
+
+class IndexTree:
+    """A commit's tree in a temporary index of ``repo`` (bare or not); nothing checked out."""
+
+    def __init__(self, repo: Path, commit: str, tmp: Path, log: Path) -> None:
+        self.repo, self.tmp, self.log = repo, tmp, log
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.env = gitsrc.git_env({"GIT_INDEX_FILE": str(tmp / "index")})
+        self.commit = commit
+        self.reset(commit)
+
+    def git(self, *args: str, work_tree: Path | None = None, check: bool = False) -> Any:
+        pre = [f"--work-tree={work_tree}"] if work_tree is not None else []
+        return run_command(["git", *pre, *args], log=self.log, cwd=self.repo, env=self.env,
+                           check=check)
+
+    def reset(self, commit: str) -> None:
+        """The index back to ``commit``'s tree (the patches carried so far dropped)."""
+        self.git("read-tree", commit, check=True)
+        self.commit = commit
+
+    def _apply(self, patch_file: Path, strip: int, method: Method, *extra: str) -> Any:
+        return self.git("apply", "--cached", *method.apply_args, f"-p{strip}", *extra,
+                        str(patch_file))
+
+    def classify(self, patch_file: Path, strip: int, method: Method) -> Classification:
+        """clean / offset / fuzz / fails / already-upstream against the index."""
+        fwd = self._apply(patch_file, strip, method, "--check", "-v")
+        if fwd.returncode == 0:
+            moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
+                     for m in map(_OFFSET.search, fwd.tail) if m]
+            if moved:
+                return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
+            return Classification(CLEAN)
+        rev = self._apply(patch_file, strip, method, "--check", "--reverse")
+        if rev.returncode == 0:
+            return Classification(UPSTREAM, "already in the tree (applies in reverse)")
+        hunks = _rejected(fwd.tail)
+        gnu = self._gnu_patch(patch_file, strip, dry_run=True)
+        if gnu is not None and gnu.returncode == 0:
+            fuzzed = [f"hunk {m.group(1)} at {m.group(2)} (fuzz {m.group(4)})"
+                      for m in map(_GNU_FUZZ.search, gnu.tail) if m]
+            return Classification(FUZZ, "needs fuzz: " + (", ".join(fuzzed) or "GNU patch only"),
+                                  fuzzed)
+        return Classification(FAILS, "rejected: " + (", ".join(hunks) or "see the log"), hunks)
+
+    def carry(self, patch_file: Path, strip: int, method: Method,
+              c: Classification) -> Classification:
+        """Apply a patch that applies (clean, offset: git; fuzz: GNU patch) to the index."""
+        if c.status in (CLEAN, OFFSET):
+            res = self._apply(patch_file, strip, method)
+            if res.returncode != 0:
+                why = next((ln for ln in reversed(res.tail) if ln.startswith("error:")), "")
+                return Classification(FAILS, f"git apply failed: {why or 'see the log'}")
+        elif c.status == FUZZ:
+            work = self._gnu_patch(patch_file, strip, dry_run=False)
+            if work is None or work.returncode != 0:
+                return Classification(FAILS, "GNU patch failed to apply it; see the log")
+            paths = touched_paths(self.repo, patch_file, strip, self.log)
+            self.git("update-index", "--add", "--remove", "--", *paths,
+                     work_tree=self._files, check=True)
+        return c
+
+    def tree(self) -> str:
+        """The index as a tree object (written to the object store)."""
+        return str(self.git("write-tree", check=True).tail[-1]).strip()
+
+    @property
+    def _files(self) -> Path:
+        return self.tmp / "files"
+
+    def materialize(self, paths: list[str]) -> Path:
+        """The touched files, and only they, written out from the index for GNU patch."""
+        files = self._files
+        if files.exists():
+            shutil.rmtree(files)
+        files.mkdir(parents=True)
+        if paths:
+            # -q: a path the patch creates is not in the index, and that is fine
+            self.git("checkout-index", "-q", "-f", "--", *paths, work_tree=files)
+        return files
+
+    def _gnu_patch(self, patch_file: Path, strip: int, dry_run: bool) -> Any | None:
+        exe = shutil.which("patch")
+        if exe is None:
+            return None
+        files = self.materialize(touched_paths(self.repo, patch_file, strip, self.log))
+        args = [exe, "--batch", "--force", f"-p{strip}", f"-F{CHECK_FUZZ}",
+                "--no-backup-if-mismatch", "-r", "-", "-i", str(patch_file)]
+        if dry_run:
+            args.insert(1, "--dry-run")
+        return run_command(args, log=self.log, cwd=files, env=gitsrc.git_env(), check=False)
+
+
+def _rejected(tail: list[str]) -> list[str]:
+    """``file:line`` of each hunk (or file) `git apply -v --check` rejected."""
+    out: list[str] = []
+    for line in tail:
+        m = _HUNK_FAILED.match(line.strip())
+        if m:
+            out.append(f"{m.group(1)}:{m.group(2)}")
+            continue
+        m = _GIT_APPLY_ERROR.match(line.strip())
+        if m and m.group(2) != "patch does not apply":
+            out.append(f"{m.group(1)} ({m.group(2)})")
+    return list(dict.fromkeys(out))
+
+
+def check_and_carry(tree: IndexTree, entry: PatchEntry, patch_file: Path
+                    ) -> tuple[Classification, float]:
+    """One patch classified against the index, then carried if it applies; and the time."""
+    start = time.monotonic()
+    method = method_of(entry)
+    c = tree.classify(patch_file, entry.strip, method)
+    c = tree.carry(patch_file, entry.strip, method, c)
+    return c, round(time.monotonic() - start, 3)
