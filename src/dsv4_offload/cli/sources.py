@@ -159,6 +159,11 @@ def patch_check(
     markdown: str | None = typer.Option(None, "--markdown", metavar="FILE",
                                         help="Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
     mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+    bisect: list[str] = typer.Option(
+        [], "--bisect", metavar="TARGET=REF",
+        help="Walk TARGET's first-parent history from the pinned commit to REF: per patch the "
+             "last clean commit and the first that needs offset, fuzz, fails or has it "
+             "upstream."),
 ) -> None:
     """CI: does the series still apply? Never touches the workspace.
 
@@ -168,6 +173,10 @@ def patch_check(
     3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /
        already-upstream; then apply it so the next patch sees the tree it expects.
     4. Exit 0 only when every checked patch is clean.
+    Checks are index-only: a temporary index of the commit's tree, `git apply --cached`;
+    GNU patch (fuzz) gets only the touched files.
+    --bisect: the same check on every first-parent commit up to REF, in a blob-less history
+    cache; exit 0 only when every patch is clean at REF.
     """
     from pathlib import Path
 
@@ -177,6 +186,8 @@ def patch_check(
 
     pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
+    if bisect:
+        _bisect(ctx, pctx, bisect, junit, markdown, gitsrc.mirrors_from(mirror, pctx.recipe))
     revs: dict[str, str] = {}
     for item in rev:
         name, sep, ref = item.partition("=")
@@ -202,6 +213,35 @@ def patch_check(
     kit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
                 lines=[f"patch check: {verdict} — {counts}; log: {log}"])
     kit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
+
+
+def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
+            markdown: str | None, mirrors: dict[str, list[str]]) -> None:
+    from pathlib import Path
+
+    from dsv4_offload import carry
+    from dsv4_offload import series as series_ops
+
+    log = pctx.log_dir / "bisect.log"
+    reports = []
+    for item in items:
+        target, ref = carry.parse_target_ref(item, "--bisect")
+        reports.append(carry.bisect_target(pctx.recipe, pctx.series, target, ref, log,
+                                           mirrors=mirrors))
+    if junit:
+        series_ops.write_report(Path(junit), carry.bisect_junit(reports))
+    if markdown:
+        series_ops.write_report(Path(markdown), carry.bisect_markdown(reports).encode("utf-8"))
+    ok = all(r.ok for r in reports)
+    table = _table(("patch", "target", "at REF", "last clean", "first offset", "first fuzz",
+                    "first fails", "first upstream"), carry.bisect_rows(reports))
+    lines = [f"patch bisect {r.target}: {r.pinned[:12]}..{r.ref} ({r.ref_commit[:12]}): "
+             f"{r.commits_walked} commits walked, {r.commits_checked} checked in "
+             f"{r.seconds:.2f} s" + (f"; note: {r.note}" if r.note else "") for r in reports]
+    kit.emit(ctx, command="patch check --bisect", status="ok" if ok else "failed",
+             data={"ok": ok, "targets": [r.as_dict() for r in reports], "log": str(log)},
+             table=_shown(ctx, table), lines=[*lines, f"log: {log}"])
+    kit.exit_with(ExitCode.OK if ok else ExitCode.FAILED)
 
 
 def _shown(ctx: typer.Context, table: Any) -> Any:
