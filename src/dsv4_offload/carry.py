@@ -28,6 +28,7 @@ from dsv4_offload.series import (
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe, Series
+    from dsv4_offload.workspace import Workspace
 
 
 def parse_target_ref(item: str, option: str) -> tuple[str, str]:
@@ -65,11 +66,11 @@ class PatchHistory:
     name: str
     target: str
     at_ref: str  # the status at REF
-    last_clean: CommitPoint | None = None
+    last_clean: CommitPoint | None = None  # the last commit of the walk where it is clean
     first_offset: CommitPoint | None = None
     first_fuzz: CommitPoint | None = None
     first_fails: CommitPoint | None = None
-    first_upstream: CommitPoint | None = None
+    first_upstream: CommitPoint | None = None  # (each first_*: the first commit of the walk)
     transitions: list[CommitPoint] = field(default_factory=list)  # every change of state
 
 
@@ -170,11 +171,10 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
                         UPSTREAM: "first_upstream"}.get(status)
                 if slot and getattr(h, slot) is None:
                     setattr(h, slot, point)
-                if prev == CLEAN and h.last_clean is None:
-                    h.last_clean = _point(repo, walk[i - 1], CLEAN, "", paths[k])
             prev = status
-        if h.last_clean is None and prev == CLEAN:
-            h.last_clean = _point(repo, walk[-1], CLEAN, "", paths[k])  # clean all the way
+        clean = [i for i, row in enumerate(states) if row[k][0] == CLEAN]
+        if clean:  # the last clean commit of the walk, wherever the states went before it
+            h.last_clean = _point(repo, walk[clean[-1]], CLEAN, "", paths[k])
         histories.append(h)
     return BisectReport(target, source.commit, ref, hist.commit, len(walk), checked,
                         round(time.monotonic() - start, 3), histories, hist.note)
@@ -243,3 +243,363 @@ def bisect_markdown(reports: list[BisectReport]) -> str:
             lines.append(row.replace("\n", " "))
         lines.append("")
     return "\n".join(lines)
+
+
+# --- rebase --------------------------------------------------------------------------------
+
+REBASE_BRANCH_PREFIX = "dsv4-rebase/"
+DONE, DROPPED, PENDING, CONFLICT = "done", "dropped", "pending", "conflict"
+
+
+@dataclass
+class Pick:
+    name: str
+    commit: str  # the patch's commit on the pinned commit
+    state: str = PENDING  # pending | conflict | done | dropped
+    new_commit: str = ""
+    files: list[str] = field(default_factory=list)  # conflicted, then resolved by hand
+    note: str = ""
+
+
+@dataclass
+class RebaseState:
+    """Persisted in the workspace between `patch rebase` and `--continue`/`--abort`."""
+
+    target: str
+    ref: str
+    ref_commit: str
+    pinned: str
+    series: str
+    history: str  # the history cache repository
+    worktree: str
+    branch: str
+    out: str  # the directory written at the end
+    picks: list[Pick]
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> RebaseState:
+        return cls(**{**doc, "picks": [Pick(**p) for p in doc["picks"]]})
+
+
+@dataclass
+class RebaseOutcome:
+    status: str  # stopped | done | aborted
+    state: RebaseState
+    conflicts: list[str] = field(default_factory=list)
+    written: list[str] = field(default_factory=list)
+    series_file: str = ""
+    recipe_file: str = ""
+    message: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, "target": self.state.target, "ref": self.state.ref,
+                "ref_commit": self.state.ref_commit, "pinned": self.state.pinned,
+                "worktree": self.state.worktree, "branch": self.state.branch,
+                "out": self.state.out, "patches": [asdict(p) for p in self.state.picks],
+                "conflicts": self.conflicts, "written": self.written,
+                "series_file": self.series_file, "recipe_file": self.recipe_file,
+                "message": self.message}
+
+
+def rebase_dir(ws: Workspace) -> Path:
+    return ws.root / "rebase"
+
+
+def _state_file(ws: Workspace) -> Path:
+    return rebase_dir(ws) / "state.json"
+
+
+def read_rebase_state(ws: Workspace) -> RebaseState | None:
+    from dsv4_offload.workspace import read_json
+
+    doc = read_json(_state_file(ws), None)
+    if doc is None:
+        return None
+    try:
+        return RebaseState.from_dict(doc)
+    except (TypeError, KeyError) as exc:
+        raise InputError(f"{_state_file(ws)}: not a rebase state ({exc}); run `dsv4-offload "
+                         "patch rebase --abort`") from None
+
+
+def _save(ws: Workspace, state: RebaseState) -> None:
+    from dsv4_offload.workspace import atomic_write_json
+
+    atomic_write_json(_state_file(ws), asdict(state))
+
+
+def _slug(ref: str, commit: str) -> str:
+    return commit[:12] if ref == commit else gitsrc._ref_slug(ref)
+
+
+def default_out(ws: Workspace) -> Path:
+    """The bundled data dir may be read-only: by default the new series goes to the workspace."""
+    return ws.root / "rebased"
+
+
+def _committer_env(repo: Path, date_of: str) -> dict[str, str]:
+    # only the committer: a cherry-pick keeps each patch's author (a mail's author included)
+    from dsv4_offload.series import COMMITTER
+
+    date = gitsrc.git_text(repo, "show", "-s", "--format=%cI", date_of)
+    return gitsrc.git_env({"GIT_COMMITTER_NAME": COMMITTER[0],
+                           "GIT_COMMITTER_EMAIL": COMMITTER[1], "GIT_COMMITTER_DATE": date})
+
+
+def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref: str,
+                 log: Path, *, out: Path | None = None,
+                 mirrors: dict[str, list[str]] | None = None) -> RebaseOutcome:
+    """The target's patches as commits on the pinned commit, then cherry-picked one by one
+    onto REF in a work branch; stops at the first conflict."""
+    from dsv4_offload.series import NO_HOOKS, _git, apply_one, commit_env
+
+    _check_target(series, target, "patch rebase")
+    if read_rebase_state(ws) is not None:
+        raise InputError(f"a rebase is under way in {rebase_dir(ws)}; finish it with `patch "
+                         "rebase --continue` or drop it with `patch rebase --abort`")
+    source = recipe.source(target)
+    entries = series.for_target(target)
+    for name in dict.fromkeys(e.origin.source for e in series.patches if e.origin.source):
+        assert name is not None
+        gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
+    loaded = load_patches(entries, recipe, series, None)
+    hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
+    slug = _slug(ref, hist.commit)
+    out_dir = (out or default_out(ws)).absolute() / f"{series.name}@{slug}"
+    if out_dir.exists():
+        raise InputError(f"{out_dir} exists; move it away or give another --out DIR")
+    worktree = rebase_dir(ws) / target
+    branch = f"{REBASE_BRANCH_PREFIX}{target}-{slug}"
+    repo = hist.repo
+    _git(repo, ["worktree", "prune"], log, check=False)
+    if worktree.exists():
+        raise InputError(f"{worktree} exists without a rebase state; remove it and rerun")
+    worktree.parent.mkdir(parents=True, exist_ok=True)
+    _git(repo, ["worktree", "add", "-q", "--detach", str(worktree), source.commit], log)
+    state = RebaseState(target, ref, hist.commit, source.commit, series.name, str(repo),
+                        str(worktree), branch, str(out_dir), [])
+    try:
+        env = commit_env(worktree, source.commit)
+        with tempfile.TemporaryDirectory(prefix="dsv4-rebase-") as tmp:
+            for patch in loaded:
+                try:
+                    apply_one(worktree, patch, patch.write_to(Path(tmp)), log, env)
+                except Exception as exc:
+                    raise InputError(f"patch '{patch.entry.name}' does not apply to its pinned "
+                                     f"commit {source.commit[:12]}; run `patch check` first "
+                                     f"(see the log: {log})") from exc
+                state.picks.append(Pick(patch.entry.name, gitsrc.git_text(
+                    worktree, "rev-parse", "HEAD")))
+        _git(worktree, [*NO_HOOKS, "checkout", "-q", "-B", branch, hist.commit], log)
+    except BaseException:
+        _remove_worktree(repo, worktree, branch, log)
+        raise
+    _save(ws, state)
+    return _pick_rest(recipe, series, ws, state, log)
+
+
+def _remove_worktree(repo: Path, worktree: Path, branch: str | None, log: Path) -> None:
+    from dsv4_offload.series import _git
+
+    _git(repo, ["worktree", "remove", "--force", str(worktree)], log, check=False)
+    _git(repo, ["worktree", "prune"], log, check=False)
+    if branch:
+        _git(repo, ["branch", "-D", branch], log, check=False)
+
+
+def _unmerged(worktree: Path) -> list[str]:
+    return gitsrc.git_text(worktree, "diff", "--name-only", "--diff-filter=U").splitlines()
+
+
+def _is_empty(worktree: Path, rev: str = "HEAD") -> bool:
+    return not gitsrc.git_text(worktree, "diff", "--name-only", f"{rev}~1", rev).strip()
+
+
+def _pick_rest(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
+               log: Path) -> RebaseOutcome:
+    from dsv4_offload.series import NO_HOOKS, _git
+
+    worktree = Path(state.worktree)
+    env = _committer_env(worktree, state.ref_commit)
+    for pick in state.picks:
+        if pick.state != PENDING:
+            continue
+        res = _git(worktree, [*NO_HOOKS, "cherry-pick", "--keep-redundant-commits",
+                              pick.commit], log, env, check=False)
+        if res.returncode != 0:
+            conflicts = _unmerged(worktree)
+            if not conflicts:
+                raise InputError(f"cherry-pick of '{pick.name}' failed without a conflict; "
+                                 f"see the log: {log}")
+            pick.state, pick.files = CONFLICT, conflicts
+            _save(ws, state)
+            return RebaseOutcome("stopped", state, conflicts, message=(
+                f"'{pick.name}' conflicts with {state.ref} in {', '.join(conflicts)}"))
+        if _is_empty(worktree):
+            _git(worktree, ["reset", "-q", "--hard", "HEAD~1"], log)
+            pick.state, pick.note = DROPPED, f"already upstream at {state.ref}: dropped"
+        else:
+            pick.state, pick.note = DONE, "carried by a clean 3-way cherry-pick"
+            pick.new_commit = gitsrc.git_text(worktree, "rev-parse", "HEAD")
+        _save(ws, state)
+    return _finish(recipe, series, ws, state, log)
+
+
+def rebase_continue(recipe: Recipe, series: Series, ws: Workspace, log: Path) -> RebaseOutcome:
+    """After the conflicted files are fixed and `git add`-ed: commit and carry on."""
+    from dsv4_offload.series import NO_HOOKS, _git
+
+    state = read_rebase_state(ws)
+    if state is None:
+        raise InputError("no rebase is under way in this workspace; start one with "
+                         "`patch rebase TARGET=REF`")
+    if state.series != series.name:
+        raise InputError(f"the rebase under way carries series '{state.series}', this recipe "
+                         f"uses '{series.name}'; run with the recipe the rebase started with")
+    worktree = Path(state.worktree)
+    pick = next((p for p in state.picks if p.state == CONFLICT), None)
+    if pick is not None:
+        left = _unmerged(worktree)
+        if left:
+            raise InputError(f"still conflicted in {worktree}: {', '.join(left)}; fix them, "
+                             f"`git -C {worktree} add` them, then `patch rebase --continue`")
+        env = _committer_env(worktree, state.ref_commit)
+        staged = gitsrc.git_text(worktree, "diff", "--cached", "--name-only", "HEAD").strip()
+        if not staged:
+            # the fix kept upstream's version: the patch has nothing left to carry
+            _git(worktree, ["reset", "-q", "--hard", "HEAD"], log)
+            pick.state = DROPPED
+            pick.note = (f"conflict in {', '.join(pick.files)} resolved to {state.ref}'s "
+                         "version: dropped")
+        else:
+            _git(worktree, [*NO_HOOKS, "commit", "-q", "--no-edit", "--no-verify"], log, env)
+            pick.state, pick.new_commit = DONE, gitsrc.git_text(worktree, "rev-parse", "HEAD")
+            pick.note = f"conflict in {', '.join(pick.files)} resolved by hand"
+        _save(ws, state)
+    return _pick_rest(recipe, series, ws, state, log)
+
+
+def rebase_abort(ws: Workspace, log: Path) -> RebaseOutcome:
+    """Drop the work branch and tree; the workspace's checkouts were never touched."""
+    from dsv4_offload.series import _git
+
+    state = read_rebase_state(ws)
+    if state is None:
+        raise InputError("no rebase is under way in this workspace")
+    worktree = Path(state.worktree)
+    if worktree.exists():
+        _git(worktree, ["cherry-pick", "--abort"], log, check=False)
+    _remove_worktree(Path(state.history), worktree, state.branch, log)
+    _state_file(ws).unlink()
+    return RebaseOutcome("aborted", state, message="rebase dropped; nothing else was changed")
+
+
+def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
+            log: Path) -> RebaseOutcome:
+    """The carried patches, their series and a recipe overlay, written all at once."""
+    import os
+    import shutil
+
+    import yaml
+
+    from dsv4_offload.recipe import recipe_path, series_path
+    from dsv4_offload.series import _sha256, regenerate
+
+    worktree = Path(state.worktree)
+    out_dir = Path(state.out)
+    if out_dir.exists():
+        raise InputError(f"{out_dir} exists; move it away and run `patch rebase --continue`")
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    picks = {p.name: p for p in state.picks}
+    new_series_name = f"{state.series}-{_slug(state.ref, state.ref_commit)}"
+    series_file = f"{new_series_name}.yaml"
+    old_dir = series_path(series)
+    written: list[str] = []
+    body: list[str] = []
+    try:
+        for entry in series.patches:
+            doc = entry.model_dump(mode="json", by_alias=True, exclude_none=True)
+            doc["origin"] = {k: v for k, v in doc["origin"].items() if v is not None}
+            note = ""
+            pick = picks.get(entry.name) if entry.target == state.target else None
+            if pick is not None:
+                if pick.state == DROPPED:
+                    body.append(f"  # {entry.name}: {pick.note}\n")
+                    continue
+                data = regenerate(worktree, pick.new_commit, entry)
+                (partial / f"{entry.name}.patch").write_bytes(data)
+                written.append(f"{entry.name}.patch")
+                old = _sha256(_old_bytes(entry, recipe, series))
+                doc.update(origin={"file": f"{entry.name}.patch"}, sha256=_sha256(data),
+                           strip=1 if entry.strip == 1 else 0)
+                note = (f"{pick.note}; carried from {state.pinned[:12]} to {state.ref} "
+                        f"({state.ref_commit[:12]}); "
+                        + ("patch text unchanged" if old == doc["sha256"] else
+                           f"was sha256 {old[:12]}…"))
+            elif entry.origin.file is not None and old_dir is not None:
+                # our own file for another target: copied, the new series dir is self-contained
+                shutil.copyfile(old_dir.parent / entry.origin.file,
+                                partial / Path(entry.origin.file).name)
+                doc["origin"] = {"file": Path(entry.origin.file).name}
+                written.append(Path(entry.origin.file).name)
+            text = yaml.safe_dump([doc], sort_keys=False, allow_unicode=True, width=1000)
+            if note:
+                body.append(f"  # {entry.name}: {note}\n")
+            body.append("".join(f"  {line}\n" for line in text.splitlines()))
+        header = (f"# {series.name} with {state.target}'s patches carried onto {state.ref} "
+                  f"({state.ref_commit}) by `dsv4-offload patch rebase`, from "
+                  f"{state.pinned[:12]}.\n# Review the patches, then commit this directory.\n")
+        doc_head = {"schema": 1, "name": new_series_name,
+                    "description": (f"{series.description or series.name} — {state.target} "
+                                    f"carried onto {state.ref}")}
+        (partial / series_file).write_text(
+            header + yaml.safe_dump(doc_head, sort_keys=False, allow_unicode=True, width=1000)
+            + "patches:\n" + "".join(body), encoding="utf-8")
+        recipe_file = partial / "recipe.yaml"
+        recipe_file.write_text(_overlay(recipe, recipe_path(recipe), out_dir, state,
+                                        series_file), encoding="utf-8")
+        os.replace(partial, out_dir)
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    _remove_worktree(Path(state.history), worktree, None, log)  # the branch stays for review
+    _state_file(ws).unlink()
+    return RebaseOutcome("done", state, written=written,
+                         series_file=str(out_dir / series_file),
+                         recipe_file=str(out_dir / "recipe.yaml"),
+                         message=f"wrote {out_dir}; branch {state.branch} in {state.history}")
+
+
+def _old_bytes(entry: Any, recipe: Recipe, series: Series) -> bytes:
+    from dsv4_offload.series import load_patch
+
+    return load_patch(entry, recipe, series, None).data
+
+
+def _overlay(recipe: Recipe, path: Path | None, out_dir: Path, state: RebaseState,
+             series_file: str) -> str:
+    """A recipe that extends the original and pins the target at REF, with the new series."""
+    import os
+
+    import yaml
+
+    from dsv4_offload.recipe import BUNDLED_RECIPES
+
+    if path is None:
+        raise InputError("the recipe has no file to extend; load it from a file")
+    if path.resolve().parent == BUNDLED_RECIPES.resolve():
+        extends = path.stem
+    else:
+        extends = os.path.relpath(path.resolve(), out_dir.resolve())
+    source: dict[str, Any] = {"name": state.target, "commit": state.ref_commit}
+    if state.ref != state.ref_commit:
+        source["ref"] = state.ref
+    doc = {"schema": 1, "extends": extends,
+           "name": f"{recipe.name}-{_slug(state.ref, state.ref_commit)}",
+           "series": series_file, "sources": [source]}
+    return (f"# {recipe.name} with {state.target} at {state.ref} and the carried series; "
+            "written by `dsv4-offload patch rebase`.\n"
+            + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1000))

@@ -215,6 +215,76 @@ def patch_check(
     kit.exit_with(ExitCode.OK if report.ok else ExitCode.FAILED)
 
 
+@patch_app.command("rebase")
+def patch_rebase(
+    ctx: typer.Context,
+    spec: str | None = typer.Argument(None, metavar="[TARGET=REF]",
+                                      help="The target and the upstream branch/tag/SHA to "
+                                           "carry its patches onto."),
+    out: str | None = typer.Option(None, "--out", metavar="DIR",
+                                   help="Where <series>@<REF>/ is written (default: "
+                                        "<workspace>/rebased; e.g. patches/ to commit it)."),
+    cont: bool = typer.Option(False, "--continue", help="Go on after fixing a conflict."),
+    abort: bool = typer.Option(False, "--abort", help="Drop the rebase under way."),
+    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+) -> None:
+    """Carry TARGET's patches onto a newer upstream REF as a new series (maintainers).
+
+    \b
+    1. REF's history into the blob-less history cache; the patches applied as commits on
+       the pinned commit in a work tree <workspace>/rebase/TARGET.
+    2. Each commit cherry-picked (3-way) onto REF in branch dsv4-rebase/TARGET-REF; one
+       already upstream is dropped. At a conflict it stops: fix the files there, `git add`
+       them, `patch rebase --continue`; or `patch rebase --abort`.
+    3. Done: DIR/<series>@<REF>/ holds the regenerated patches, a series file (new sha256,
+       origin file, upstream status kept, a note per patch) and recipe.yaml, an overlay
+       (`extends:` the recipe) pinning REF: use it with --recipe for check, apply or run.
+    The workspace's checkouts are never touched.
+    """
+    from pathlib import Path
+
+    from dsv4_offload import carry, gitsrc
+    from dsv4_offload.errors import InputError
+
+    if cont + abort + (spec is not None) != 1:
+        raise InputError("patch rebase: give TARGET=REF to start, or --continue, or --abort")
+    pctx = kit.load_context(ctx, "patch")
+    gitsrc.require_git()
+    log = pctx.log_dir / "rebase.log"
+    ws = pctx.workspace
+    with ws.lock("patch rebase"):
+        if abort:
+            outcome = carry.rebase_abort(ws, log)
+        elif cont:
+            outcome = carry.rebase_continue(pctx.recipe, pctx.series, ws, log)
+        else:
+            assert spec is not None
+            target, ref = carry.parse_target_ref(spec, "patch rebase")
+            outcome = carry.rebase_start(pctx.recipe, pctx.series, ws, target, ref, log,
+                                         out=Path(out) if out else None,
+                                         mirrors=gitsrc.mirrors_from(mirror, pctx.recipe))
+    s = outcome.state
+    table = _table(("patch", "state", "note"),
+                   [(p.name, p.state, p.note or ", ".join(p.files)) for p in s.picks])
+    lines = [f"patch rebase {s.target} {s.pinned[:12]} -> {s.ref} ({s.ref_commit[:12]}): "
+             f"{outcome.status}; {outcome.message}"]
+    if outcome.status == "stopped":
+        lines += [f"fix {', '.join(outcome.conflicts)} in {s.worktree}, then "
+                  f"`git -C {s.worktree} add <files>` and `dsv4-offload patch rebase "
+                  "--continue`; or `dsv4-offload patch rebase --abort` (the pinned state is "
+                  "untouched)"]
+    elif outcome.status == "done":
+        lines += [f"series: {outcome.series_file}", f"recipe overlay: {outcome.recipe_file} "
+                  f"(dsv4-offload --recipe {outcome.recipe_file} patch check)"]
+    lines.append(f"log: {log}")
+    data = outcome.as_dict()
+    data["log"] = str(log)
+    stopped = outcome.status == "stopped"
+    kit.emit(ctx, command="patch rebase", status="failed" if stopped else "ok", data=data,
+             table=_shown(ctx, table), lines=lines)
+    kit.exit_with(ExitCode.FAILED if stopped else ExitCode.OK)
+
+
 def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
             markdown: str | None, mirrors: dict[str, list[str]]) -> None:
     from pathlib import Path

@@ -1,0 +1,192 @@
+"""patch check --bisect and patch rebase on a 40-commit upstream history the tests make."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytest.register_assert_rewrite("gitfixtures")
+from gitfixtures import (  # noqa: E402
+    CONFLICT_AT,
+    FAILS_AT,
+    FUZZ_AT,
+    HIST_LENGTH,
+    UPSTREAM_AT,
+    History,
+    Upstreams,
+    git,
+    lines,
+    run_cli,
+    write_history_project,
+)
+
+pytest_plugins = ["gitfixtures"]  # upstreams, history and git_home fixtures
+pytestmark = pytest.mark.usefixtures("git_home")
+
+
+def _missing_blobs(repo: Path) -> int:
+    out = git(repo, "rev-list", "--objects", "--missing=print", "--all")
+    return sum(1 for line in out.splitlines() if line.startswith("?"))
+
+
+def test_bisect_names_the_fuzz_fail_and_upstream_commits(
+        tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_history_project(tmp_path / "p", upstreams, history)
+    junit, md = tmp_path / "out" / "bisect.xml", tmp_path / "out" / "bisect.md"
+    code, doc = run_cli(project.cli(tmp_path / "ws") + [
+        "patch", "check", "--bisect", "hist=main", "--junit", str(junit),
+        "--markdown", str(md)], capsys)
+    assert code == 1, doc  # not every patch is clean at REF
+    [report] = doc["data"]["targets"]
+    assert report["ref_commit"] == history.at(HIST_LENGTH)
+    assert report["commits_walked"] == HIST_LENGTH + 1  # the pinned commit and the 40 after it
+    # only the pinned commit and those changing src/a.c or src/b.c are checked; a merge of a
+    # side branch counts once and its own commit is not walked
+    assert report["commits_checked"] == 5
+    rows = {p["name"]: p for p in report["patches"]}
+    moving = rows["hist-moving"]
+    assert moving["at_ref"] == "already-upstream"
+    assert moving["last_clean"]["commit"] == history.at(FUZZ_AT - 1)
+    assert moving["first_offset"] is None
+    assert moving["first_fuzz"]["commit"] == history.at(FUZZ_AT)
+    assert moving["first_fuzz"]["subject"] == f"upstream {FUZZ_AT}: reword line 17"
+    assert moving["first_fuzz"]["files"] == ["src/a.c"]
+    assert moving["first_fuzz"]["date"].startswith("2025-03-01T10:00:00")
+    assert "fuzz 1" in moving["first_fuzz"]["detail"]
+    assert moving["first_fails"]["commit"] == history.at(FAILS_AT)
+    assert moving["first_fails"]["detail"].startswith("rejected: src/a.c:")
+    assert moving["first_upstream"]["commit"] == history.at(UPSTREAM_AT)
+    assert [t["status"] for t in moving["transitions"]] == [
+        "clean", "fuzz", "fails", "already-upstream"]
+    mail = rows["hist-mail"]
+    assert mail["at_ref"] == "fails"
+    assert mail["last_clean"]["commit"] == history.at(CONFLICT_AT - 1)
+    assert mail["first_fails"]["commit"] == history.at(CONFLICT_AT)
+    assert mail["first_fails"]["files"] == ["src/b.c"]
+    assert mail["first_fuzz"] is None and mail["first_upstream"] is None
+
+    # the history came without blobs: the ones never read are still missing
+    assert report["note"] == ""
+    assert _missing_blobs(tmp_path / "cache" / "git" / "hist.history.git") > 0
+
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite is not None and suite.get("tests") == "2" and suite.get("failures") == "2"
+    failure = {c.get("name"): c.find("failure") for c in suite.iter("testcase")}
+    assert failure["hist-mail"] is not None
+    assert history.at(CONFLICT_AT)[:12] in (failure["hist-mail"].get("message") or "")
+    summary = md.read_text()
+    assert summary.startswith("## Patch bisect hist:")
+    assert f"`{history.at(FAILS_AT)[:12]}` upstream {FAILS_AT}" in summary
+
+
+def test_bisect_before_the_first_change_is_clean_and_a_filterless_host_is_noted(
+        tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    refusing = tmp_path / "refusing"
+    shutil.copytree(history.path, refusing)
+    git(refusing, "config", "uploadpack.allowFilter", "false")
+    project = write_history_project(tmp_path / "p", upstreams, history, url=refusing.as_uri())
+    ref = history.at(FUZZ_AT - 1)
+    code, doc = run_cli(project.cli(tmp_path / "ws") + [
+        "patch", "check", "--bisect", f"hist={ref}"], capsys)
+    assert code == 0, doc
+    [report] = doc["data"]["targets"]
+    assert report["commits_walked"] == FUZZ_AT and report["ok"] is True
+    assert {p["name"]: p["last_clean"]["commit"] for p in report["patches"]} == {
+        "hist-moving": ref, "hist-mail": ref}
+    assert "does not allow filters" in report["note"]
+    assert _missing_blobs(tmp_path / "cache" / "git" / "hist.history.git") == 0
+    code, doc = run_cli(project.cli(tmp_path / "ws") + [
+        "patch", "check", "--bisect", "nope=main"], capsys)
+    assert code == 2 and "not a target" in doc["data"]["error"]
+
+
+def test_rebase_through_a_conflict_writes_a_series_that_checks_and_applies(
+        tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_history_project(tmp_path / "p", upstreams, history)
+    ws = tmp_path / "ws"
+    out = tmp_path / "carried"
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "hist=v2.0", "--out", str(out)],
+                        capsys)
+    assert code == 1, doc
+    data = doc["data"]
+    assert data["status"] == "stopped" and data["conflicts"] == ["src/b.c"]
+    states = {p["name"]: p["state"] for p in data["patches"]}
+    assert states == {"hist-moving": "dropped", "hist-mail": "conflict"}
+    worktree = Path(data["worktree"])
+    assert "<<<<<<<" in (worktree / "src/b.c").read_text()
+
+    # a new process: --continue refuses while the file is still conflicted
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
+    assert code == 2 and "still conflicted" in doc["data"]["error"]
+    resolved = lines("b", 20).replace("b line 10\n", "b line 10 theirs ours\n")
+    (worktree / "src/b.c").write_text(resolved)
+    git(worktree, "add", "src/b.c")
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
+    assert code == 0, doc
+    data = doc["data"]
+    assert data["status"] == "done"
+    new_dir = out / "hist-series@v2.0"
+    assert data["out"] == str(new_dir) and data["written"] == ["hist-mail.patch"]
+    assert not worktree.exists()
+    branch = git(tmp_path / "cache/git/hist.history.git", "rev-parse",
+                 "refs/heads/dsv4-rebase/hist-v2.0~1")
+    assert branch == history.at(HIST_LENGTH)  # the work branch stays for review, on REF
+
+    series = yaml.safe_load((new_dir / "hist-series-v2.0.yaml").read_text())
+    [entry] = series["patches"]
+    patch = (new_dir / "hist-mail.patch").read_bytes()
+    assert entry["sha256"] == hashlib.sha256(patch).hexdigest()
+    assert entry["origin"] == {"file": "hist-mail.patch"} and entry["upstream"] == "submitted"
+    assert entry["method"] == "mbox"
+    assert b"+b line 10 theirs ours" in patch and b"Dsv4-Patch" not in patch
+    assert b"From: Alice Maintainer" in patch and b"Subject: [PATCH] b: our change" in patch
+    text = (new_dir / "hist-series-v2.0.yaml").read_text()
+    assert "hist-moving: already upstream at v2.0: dropped" in text
+    assert "hist-mail: conflict in src/b.c resolved by hand" in text
+    overlay = yaml.safe_load((new_dir / "recipe.yaml").read_text())
+    assert overlay["extends"] == "../../p/recipe.yaml"
+    assert overlay["sources"] == [{"name": "hist", "commit": history.at(HIST_LENGTH),
+                                   "ref": "v2.0"}]
+
+    # the overlay: check is clean at REF, and apply verifies the digests in a new workspace
+    recipe = ["--recipe", str(new_dir / "recipe.yaml")]
+    code, doc = run_cli(["--workspace", str(tmp_path / "ws2"), *recipe, "patch", "check"],
+                        capsys)
+    assert code == 0, doc
+    assert doc["data"]["bases"] == {"hist": history.at(HIST_LENGTH)}
+    assert [(p["name"], p["status"]) for p in doc["data"]["patches"]] == [("hist-mail", "clean")]
+    ws2 = ["--workspace", str(tmp_path / "ws2"), *recipe]
+    assert run_cli([*ws2, "fetch"], capsys)[0] == 0
+    code, doc = run_cli([*ws2, "patch", "apply"], capsys)
+    assert code == 0, doc
+    applied = tmp_path / "ws2" / "src/hist"
+    assert (applied / "src/b.c").read_text() == resolved
+    assert f"Dsv4-Patch-Sha256: {entry['sha256']}" in git(applied, "log", "-1", "--format=%B")
+
+
+def test_rebase_abort_drops_everything_and_a_second_start_is_refused(
+        tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_history_project(tmp_path / "p", upstreams, history)
+    ws = tmp_path / "ws"
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "hist=main"], capsys)
+    assert code == 1 and doc["data"]["status"] == "stopped"
+    worktree = Path(doc["data"]["worktree"])
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "hist=main"], capsys)
+    assert code == 2 and "under way" in doc["data"]["error"]
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--abort"], capsys)
+    assert code == 0 and doc["data"]["status"] == "aborted"
+    assert not worktree.exists() and not (ws / "rebase" / "state.json").exists()
+    hist_cache = tmp_path / "cache" / "git" / "hist.history.git"
+    assert git(hist_cache, "branch", "--list", "dsv4-rebase/*") == ""
+    assert not (ws / "rebased").exists()
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
+    assert code == 2 and "no rebase" in doc["data"]["error"]
