@@ -122,6 +122,7 @@ def test_rebase_through_a_conflict_writes_a_series_that_checks_and_applies(
     assert states == {"hist-moving": "dropped", "hist-mail": "conflict"}
     worktree = Path(data["worktree"])
     assert "<<<<<<<" in (worktree / "src/b.c").read_text()
+    assert not (worktree / "README").exists()  # a sparse work tree: the touched files only
 
     # a new process: --continue refuses while the file is still conflicted
     code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)

@@ -257,6 +257,7 @@ class Pick:
     commit: str  # the patch's commit on the pinned commit
     state: str = PENDING  # pending | conflict | done | dropped
     new_commit: str = ""
+    base: str = ""  # HEAD before its cherry-pick: a run killed mid-pick restarts from here
     files: list[str] = field(default_factory=list)  # conflicted, then resolved by hand
     note: str = ""
 
@@ -351,6 +352,8 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
                  mirrors: dict[str, list[str]] | None = None) -> RebaseOutcome:
     """The target's patches as commits on the pinned commit, then cherry-picked one by one
     onto REF in a work branch; stops at the first conflict."""
+    from dsv4_offload.indexcheck import touched_paths
+    from dsv4_offload.runner import CommandFailed
     from dsv4_offload.series import NO_HOOKS, _git, apply_one, commit_env
 
     _check_target(series, target, "patch rebase")
@@ -375,16 +378,24 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
     if worktree.exists():
         raise InputError(f"{worktree} exists without a rebase state; remove it and rerun")
     worktree.parent.mkdir(parents=True, exist_ok=True)
-    _git(repo, ["worktree", "add", "-q", "--detach", str(worktree), source.commit], log)
+    _git(repo, ["worktree", "add", "-q", "--no-checkout", "--detach", str(worktree),
+                source.commit], log)
     state = RebaseState(target, ref, hist.commit, source.commit, series.name, str(repo),
                         str(worktree), branch, str(out_dir), [])
     try:
         env = commit_env(worktree, source.commit)
         with tempfile.TemporaryDirectory(prefix="dsv4-rebase-") as tmp:
+            files = [p.write_to(Path(tmp)) for p in loaded]
+            # a sparse work tree of the touched files only: the history stays blob-less
+            paths = dict.fromkeys(path for p, f in zip(loaded, files, strict=True)
+                                  for path in touched_paths(repo, f, p.entry.strip, log))
+            _git(worktree, ["sparse-checkout", "set", "--no-cone",
+                            *(sparse_pattern(x) for x in paths)], log)
+            _git(worktree, ["read-tree", "-mu", "HEAD"], log)
             for patch in loaded:
                 try:
                     apply_one(worktree, patch, patch.write_to(Path(tmp)), log, env)
-                except Exception as exc:
+                except CommandFailed as exc:
                     raise InputError(f"patch '{patch.entry.name}' does not apply to its pinned "
                                      f"commit {source.commit[:12]}; run `patch check` first "
                                      f"(see the log: {log})") from exc
@@ -396,6 +407,12 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
         raise
     _save(ws, state)
     return _pick_rest(recipe, series, ws, state, log)
+
+
+def sparse_pattern(path: str) -> str:
+    """A sparse-checkout (gitignore syntax) pattern matching exactly this one path."""
+    escaped = "".join("\\" + ch if ch in "\\*?[" else ch for ch in path)
+    return "/" + escaped
 
 
 def _remove_worktree(repo: Path, worktree: Path, branch: str | None, log: Path) -> None:
@@ -424,6 +441,10 @@ def _pick_rest(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState
     for pick in state.picks:
         if pick.state != PENDING:
             continue
+        if pick.base:  # killed during this pick last time: start it again from its base
+            _git(worktree, ["reset", "-q", "--hard", pick.base], log)
+        pick.base = gitsrc.git_text(worktree, "rev-parse", "HEAD")
+        _save(ws, state)
         res = _git(worktree, [*NO_HOOKS, "cherry-pick", "--keep-redundant-commits",
                               pick.commit], log, env, check=False)
         if res.returncode != 0:
@@ -465,7 +486,11 @@ def rebase_continue(recipe: Recipe, series: Series, ws: Workspace, log: Path) ->
                              f"`git -C {worktree} add` them, then `patch rebase --continue`")
         env = _committer_env(worktree, state.ref_commit)
         staged = gitsrc.git_text(worktree, "diff", "--cached", "--name-only", "HEAD").strip()
-        if not staged:
+        head = gitsrc.git_text(worktree, "rev-parse", "HEAD")
+        if head != pick.base:  # the user committed the resolution (`git cherry-pick --continue`)
+            pick.state, pick.new_commit = DONE, head
+            pick.note = f"conflict in {', '.join(pick.files)} resolved by hand"
+        elif not staged:
             # the fix kept upstream's version: the patch has nothing left to carry
             _git(worktree, ["reset", "-q", "--hard", "HEAD"], log)
             pick.state = DROPPED

@@ -120,13 +120,33 @@ class IndexTree:
         if rev.returncode == 0:
             return Classification(UPSTREAM, "already in the tree (applies in reverse)")
         hunks = _rejected(fwd.tail)
+        merge = self.three_way(patch_file, strip, method)
         gnu = self._gnu_patch(patch_file, strip, dry_run=True)
         if gnu is not None and gnu.returncode == 0:
             fuzzed = [f"hunk {m.group(1)} at {m.group(2)} (fuzz {m.group(4)})"
                       for m in map(_GNU_FUZZ.search, gnu.tail) if m]
-            return Classification(FUZZ, "needs fuzz: " + (", ".join(fuzzed) or "GNU patch only"),
-                                  fuzzed)
-        return Classification(FAILS, "rejected: " + (", ".join(hunks) or "see the log"), hunks)
+            return Classification(FUZZ, "needs fuzz: " + (", ".join(fuzzed) or "GNU patch only")
+                                  + merge, fuzzed)
+        return Classification(FAILS, "rejected: " + (", ".join(hunks) or "see the log") + merge,
+                              hunks)
+
+    def three_way(self, patch_file: Path, strip: int, method: Method) -> str:
+        """What a 3-way merge (`git am -3`, `patch rebase`) would make of a patch that does
+        not apply as it is, tried on a copy of the index; '' when the patch's preimage blobs
+        are unknown here (a 3-way merge needs them)."""
+        scratch = self.tmp / "index.3way"
+        shutil.copyfile(self.tmp / "index", scratch)
+        env = {**self.env, "GIT_INDEX_FILE": str(scratch)}
+        res = run_command(["git", "apply", "--cached", "--3way", *method.apply_args,
+                           f"-p{strip}", str(patch_file)], log=self.log, cwd=self.repo,
+                          env=env, check=False)
+        if res.returncode == 0:
+            return "; a 3-way merge applies it"
+        unmerged = run_command(["git", "ls-files", "-u", "-z"], log=self.log, cwd=self.repo,
+                               env=env, check=False)
+        files = sorted({f.split("\t", 1)[1] for f in "\n".join(unmerged.tail).split("\0")
+                        if "\t" in f})
+        return f"; a 3-way merge conflicts in {', '.join(files)}" if files else ""
 
     def carry(self, patch_file: Path, strip: int, method: Method,
               c: Classification) -> Classification:
