@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import shutil
+import signal
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -19,6 +23,7 @@ from gitfixtures import (  # noqa: E402
     UPSTREAM_AT,
     History,
     Upstreams,
+    cli_subprocess,
     git,
     lines,
     run_cli,
@@ -191,3 +196,62 @@ def test_rebase_abort_drops_everything_and_a_second_start_is_refused(
     assert not (ws / "rebased").exists()
     code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
     assert code == 2 and "no rebase" in doc["data"]["error"]
+
+
+@pytest.mark.parametrize("nth", [1, 2])
+def test_a_rebase_killed_after_a_pick_restarts_that_pick(
+        nth: int, tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_history_project(tmp_path / "p", upstreams, history)
+    ws = tmp_path / "ws"
+    # a git that runs the nth cherry-pick (1: the one upstream already has, which commits an
+    # empty commit; 2: the conflicting one), then blocks, so the tool is killed after git
+    # changed the work tree and before the tool recorded it
+    shim, reached = tmp_path / "shim", tmp_path / "reached"
+    shim.mkdir()
+    (shim / "git").write_text(f"""#!/bin/sh
+case " $* " in
+  *" cherry-pick "*)
+    n=$(cat "{shim}/count" 2>/dev/null || echo 0); n=$((n+1)); echo "$n" > "{shim}/count"
+    if [ "$n" -eq {nth} ]; then
+      "{shutil.which("git")}" "$@"
+      echo $$ > "{reached}.tmp"; mv "{reached}.tmp" "{reached}"
+      exec sleep 120
+    fi ;;
+esac
+exec "{shutil.which("git")}" "$@"
+""")
+    (shim / "git").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}{os.pathsep}{os.environ['PATH']}"}
+    proc = cli_subprocess(project.cli(ws) + ["patch", "rebase", "hist=main"], env)
+    try:
+        deadline = time.monotonic() + 60
+        while not reached.exists():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the rebase never reached its second pick"
+            time.sleep(0.02)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    os.kill(int(reached.read_text()), signal.SIGKILL)
+    state = json.loads((ws / "rebase" / "state.json").read_text())
+    assert [p["state"] for p in state["picks"]] == (
+        ["pending", "pending"] if nth == 1 else ["dropped", "pending"])
+    worktree = Path(state["worktree"])
+    if nth == 1:  # git made the (empty) commit, unrecorded
+        assert git(worktree, "rev-parse", "HEAD~1") == history.at(HIST_LENGTH)
+    else:  # git left the conflict behind, unrecorded
+        assert git(worktree, "ls-files", "-u")
+
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
+    assert code == 1, doc
+    assert doc["data"]["status"] == "stopped" and doc["data"]["conflicts"] == ["src/b.c"]
+    assert git(worktree, "rev-parse", "HEAD") == history.at(HIST_LENGTH)
+    (worktree / "src/b.c").write_text(lines("b", 20).replace("b line 10\n", "b line 10 both\n"))
+    git(worktree, "add", "src/b.c")
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--continue"], capsys)
+    assert code == 0 and doc["data"]["status"] == "done", doc
+    assert [p["state"] for p in doc["data"]["patches"]] == ["dropped", "done"]
+    # the branch is REF plus the carried patch: no leftover of the interrupted pick
+    cache = tmp_path / "cache" / "git" / "hist.history.git"
+    assert git(cache, "rev-parse", "dsv4-rebase/hist-main~1") == history.at(HIST_LENGTH)
