@@ -255,3 +255,51 @@ exec "{shutil.which("git")}" "$@"
     # the branch is REF plus the carried patch: no leftover of the interrupted pick
     cache = tmp_path / "cache" / "git" / "hist.history.git"
     assert git(cache, "rev-parse", "dsv4-rebase/hist-main~1") == history.at(HIST_LENGTH)
+
+
+def _same_as_worktree(clone: Path, commits: list[str], patches: list[tuple[str, bytes]],
+                      tmp: Path) -> list[tuple[str, str, str]]:
+    """Each patch, alone, against each commit: the index-only classification and the one of
+    a real checkout (series.classify) side by side; returns (commit, patch, status) rows."""
+    from dsv4_offload.indexcheck import IndexTree, method_of
+    from dsv4_offload.recipe import PatchEntry
+    from dsv4_offload.series import classify
+
+    log = tmp / "log"
+    rows = []
+    for commit in commits:
+        git(clone, "checkout", "-q", "--detach", commit)
+        for name, data in patches:
+            patch_file = tmp / f"{name}.patch"
+            patch_file.write_bytes(data)
+            worktree = classify(clone, patch_file, 1, log)
+            index = IndexTree(clone, commit, tmp / "idx", log)
+            entry = PatchEntry.model_validate({
+                "name": name, "target": "t", "origin": {"file": "x"}, "sha256": "0" * 64,
+                "method": "mbox" if data.startswith(b"From ") else "plain", "description": "x"})
+            got = index.classify(patch_file, 1, method_of(entry))
+            # the index check adds what a 3-way merge would do; the rest is the same
+            assert (got.status, got.detail.split("; a 3-way merge")[0], got.hunks) == (
+                worktree.status, worktree.detail, worktree.hunks), (commit, name)
+            rows.append((commit, name, got.status))
+    return rows
+
+
+def test_index_only_classification_equals_a_checkouts(
+        tmp_path: Path, upstreams: Upstreams, history: History) -> None:
+    main = tmp_path / "main"
+    git(tmp_path, "clone", "-q", str(upstreams.root / "main"), str(main))
+    kitchen = [(n, upstreams.patches[n].data) for n in upstreams.kitchen_sink
+               if upstreams.patches[n].target == "main"]
+    rows = _same_as_worktree(main, [upstreams.commits["main"]], kitchen, tmp_path)
+    assert {name: status for _, name, status in rows} == {
+        n: upstreams.patches[n].expect for n, _ in kitchen}
+
+    hist = tmp_path / "hist"
+    git(tmp_path, "clone", "-q", str(history.path), str(hist))
+    # the commits around each change of state (every commit takes seconds on 2 cores)
+    numbers = [FUZZ_AT - 1, FUZZ_AT, FAILS_AT, UPSTREAM_AT, CONFLICT_AT - 1, CONFLICT_AT,
+               HIST_LENGTH]
+    rows = _same_as_worktree(hist, [history.pinned, *map(history.at, numbers)],
+                             [(n, s.data) for n, s in history.patches.items()], tmp_path)
+    assert {status for _, _, status in rows} == {"clean", "fuzz", "fails", "already-upstream"}

@@ -20,9 +20,7 @@ from dsv4_offload import gitsrc
 from dsv4_offload.errors import InputError
 from dsv4_offload.runner import run_command
 from dsv4_offload.series import (
-    _GIT_APPLY_ERROR,
     _GNU_FUZZ,
-    _HUNK_FAILED,
     _OFFSET,
     CHECK_FUZZ,
     CLEAN,
@@ -31,6 +29,7 @@ from dsv4_offload.series import (
     OFFSET,
     UPSTREAM,
     Classification,
+    parse_rejected,
 )
 
 if TYPE_CHECKING:
@@ -119,7 +118,7 @@ class IndexTree:
         rev = self._apply(patch_file, strip, method, "--check", "--reverse")
         if rev.returncode == 0:
             return Classification(UPSTREAM, "already in the tree (applies in reverse)")
-        hunks = _rejected(fwd.tail)
+        hunks = parse_rejected(fwd.tail)
         merge = self.three_way(patch_file, strip, method)
         gnu = self._gnu_patch(patch_file, strip, dry_run=True)
         if gnu is not None and gnu.returncode == 0:
@@ -194,20 +193,6 @@ class IndexTree:
         if dry_run:
             args.insert(1, "--dry-run")
         return run_command(args, log=self.log, cwd=files, env=gitsrc.git_env(), check=False)
-
-
-def _rejected(tail: list[str]) -> list[str]:
-    """``file:line`` of each hunk (or file) `git apply -v --check` rejected."""
-    out: list[str] = []
-    for line in tail:
-        m = _HUNK_FAILED.match(line.strip())
-        if m:
-            out.append(f"{m.group(1)}:{m.group(2)}")
-            continue
-        m = _GIT_APPLY_ERROR.match(line.strip())
-        if m and m.group(2) != "patch does not apply":
-            out.append(f"{m.group(1)} ({m.group(2)})")
-    return list(dict.fromkeys(out))
 
 
 def check_and_carry(tree: IndexTree, entry: PatchEntry, patch_file: Path

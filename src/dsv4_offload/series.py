@@ -205,8 +205,13 @@ def rejected_hunks(repo_dir: Path, patch_file: Path, strip: int, log: Path) -> l
     """``file:line`` of each hunk (or file) ``git apply`` rejects."""
     result = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", str(patch_file)], log,
                   check=False)
+    return parse_rejected(result.tail)
+
+
+def parse_rejected(tail: list[str]) -> list[str]:
+    """``file:line`` of each hunk (or file) in the output of ``git apply --check -v``."""
     out: list[str] = []
-    for line in result.tail:
+    for line in tail:
         m = _HUNK_FAILED.match(line.strip())
         if m:
             out.append(f"{m.group(1)}:{m.group(2)}")
