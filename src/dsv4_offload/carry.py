@@ -82,7 +82,8 @@ class BisectReport:
     ref_commit: str
     commits_walked: int
     commits_checked: int  # the others changed no file of the target's patches: same result
-    seconds: float
+    seconds: float  # all of it
+    fetch_seconds: float  # of which fetching the history and the patch origins
     patches: list[PatchHistory]
     note: str = ""
 
@@ -94,24 +95,53 @@ class BisectReport:
         return {"ok": self.ok, **asdict(self)}
 
 
-def first_parent_walk(repo: Path, pinned: str, ref_commit: str) -> list[str]:
-    """The pinned commit, then REF's first-parent commits not reachable from it, oldest first."""
-    out = gitsrc.git_text(repo, "rev-list", "--first-parent", "--reverse", ref_commit,
-                          f"^{pinned}")
-    return [pinned, *out.split()]
+@dataclass
+class Walk:
+    """The pinned commit, then REF's first-parent commits not reachable from it, oldest
+    first, with what each changed since the one before it in the walk."""
+
+    commits: list[str]
+    changed: dict[str, set[str]]
+    subjects: dict[str, tuple[str, str]]  # commit: (subject, committer date)
+
+
+def first_parent_walk(repo: Path, pinned: str, ref_commit: str) -> Walk:
+    """One `git log` for the whole walk; file lists from trees alone (no renames, no blobs)."""
+    out = gitsrc.git_text(repo, "log", "--first-parent", "--diff-merges=first-parent",
+                          "--no-renames", "--name-only", "--reverse",
+                          "--format=%x00%H%x00%P%x00%cI%x00%s", ref_commit, f"^{pinned}")
+    commits = [pinned]
+    changed: dict[str, set[str]] = {pinned: set()}
+    subjects: dict[str, tuple[str, str]] = {}
+    fields = out.split("\0")
+    # records: "", H, P, date, "subject\n\nfile\nfile\n", H, ...
+    for i in range(1, len(fields) - 3, 4):
+        commit, parents, date = fields[i].strip(), fields[i + 1].split(), fields[i + 2]
+        subject, _, files = fields[i + 3].partition("\n")
+        prev = commits[-1]
+        commits.append(commit)
+        subjects[commit] = (subject, date)
+        if parents and parents[0] == prev:
+            changed[commit] = {f for f in files.splitlines() if f}
+        else:  # the pinned commit is not this one's first parent: compare the two trees
+            changed[commit] = _changed(repo, prev, commit)
+    return Walk(commits, changed, subjects)
 
 
 def _changed(repo: Path, old: str, new: str) -> set[str]:
-    # trees only (no rename detection), so a blob-less history answers it
     out = gitsrc.git_text(repo, "diff-tree", "-r", "--name-only", "--no-renames", old, new)
     return set(out.splitlines())
 
 
-def _point(repo: Path, commit: str, status: str, detail: str, paths: set[str]) -> CommitPoint:
-    subject, date = gitsrc.git_text(repo, "show", "-s", "--format=%s%x00%cI", commit).split("\0")
-    parents = gitsrc.git_text(repo, "rev-list", "--parents", "-n1", commit).split()[1:]
-    changed = _changed(repo, parents[0], commit) if parents else set()
-    return CommitPoint(commit, status, subject, date, sorted(changed & paths), detail)
+def _point(repo: Path, walk: Walk, commit: str, status: str, detail: str,
+           paths: set[str]) -> CommitPoint:
+    if commit not in walk.subjects:  # the pinned commit
+        subject, _, date = gitsrc.git_text(repo, "show", "-s", "--format=%s%x00%cI",
+                                           commit).partition("\0")
+        walk.subjects[commit] = (subject, date)
+    subject, date = walk.subjects[commit]
+    return CommitPoint(commit, status, subject, date, sorted(walk.changed[commit] & paths),
+                       detail)
 
 
 def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Path, *,
@@ -134,8 +164,10 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
         gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
     loaded = load_patches(entries, recipe, series, None)
     hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
+    fetched = time.monotonic() - start
     repo = hist.repo
     walk = first_parent_walk(repo, source.commit, hist.commit)
+    commits = walk.commits
     states: list[list[tuple[str, str]]] = []  # per commit: (status, detail) per patch
     checked = 0
     with tempfile.TemporaryDirectory(prefix="dsv4-bisect-") as tmp:
@@ -144,8 +176,8 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
                  for p, f in zip(loaded, files, strict=True)]
         union = set().union(*paths)
         tree: IndexTree | None = None
-        for i, commit in enumerate(walk):
-            if i and not (_changed(repo, walk[i - 1], commit) & union):
+        for i, commit in enumerate(commits):
+            if i and not (walk.changed[commit] & union):
                 states.append(states[-1])
                 continue
             if tree is None:
@@ -162,10 +194,10 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
     for k, p in enumerate(loaded):
         h = PatchHistory(p.entry.name, target, states[-1][k][0])
         prev = None
-        for i, commit in enumerate(walk):
+        for i, commit in enumerate(commits):
             status, detail = states[i][k]
             if status != prev:
-                point = _point(repo, commit, status, detail, paths[k])
+                point = _point(repo, walk, commit, status, detail, paths[k])
                 h.transitions.append(point)
                 slot = {OFFSET: "first_offset", FUZZ: "first_fuzz", FAILS: "first_fails",
                         UPSTREAM: "first_upstream"}.get(status)
@@ -174,10 +206,11 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
             prev = status
         clean = [i for i, row in enumerate(states) if row[k][0] == CLEAN]
         if clean:  # the last clean commit of the walk, wherever the states went before it
-            h.last_clean = _point(repo, walk[clean[-1]], CLEAN, "", paths[k])
+            h.last_clean = _point(repo, walk, commits[clean[-1]], CLEAN, "", paths[k])
         histories.append(h)
-    return BisectReport(target, source.commit, ref, hist.commit, len(walk), checked,
-                        round(time.monotonic() - start, 3), histories, hist.note)
+    return BisectReport(target, source.commit, ref, hist.commit, len(commits), checked,
+                        round(time.monotonic() - start, 3), round(fetched, 3), histories,
+                        hist.note)
 
 
 _COLUMNS = (("last clean", "last_clean"), ("first offset", "first_offset"),
@@ -228,7 +261,8 @@ def bisect_markdown(reports: list[BisectReport]) -> str:
         lines += [f"## Patch bisect {r.target}: {r.pinned[:12]} → {r.ref} "
                   f"(`{r.ref_commit[:12]}`): {head}", "",
                   f"{r.commits_walked} commits walked, {r.commits_checked} checked, "
-                  f"{r.seconds:.2f} s" + (f"; {r.note}" if r.note else ""), "",
+                  f"{r.seconds:.2f} s ({r.fetch_seconds:.2f} s fetching)"
+                  + (f"; {r.note}" if r.note else ""), "",
                   "| patch | at REF | " + " | ".join(c for c, _ in _COLUMNS) + " |",
                   "|---|---|" + "---|" * len(_COLUMNS)]
         for h in r.patches:

@@ -90,6 +90,7 @@ class IndexTree:
         tmp.mkdir(parents=True, exist_ok=True)
         self.env = gitsrc.git_env({"GIT_INDEX_FILE": str(tmp / "index")})
         self.commit = commit
+        self._paths: dict[tuple[Path, int], list[str]] = {}
         self.reset(commit)
 
     def git(self, *args: str, work_tree: Path | None = None, check: bool = False) -> Any:
@@ -159,14 +160,16 @@ class IndexTree:
             work = self._gnu_patch(patch_file, strip, dry_run=False)
             if work is None or work.returncode != 0:
                 return Classification(FAILS, "GNU patch failed to apply it; see the log")
-            paths = touched_paths(self.repo, patch_file, strip, self.log)
-            self.git("update-index", "--add", "--remove", "--", *paths,
+            self.git("update-index", "--add", "--remove", "--", *self.paths(patch_file, strip),
                      work_tree=self._files, check=True)
         return c
 
-    def tree(self) -> str:
-        """The index as a tree object (written to the object store)."""
-        return str(self.git("write-tree", check=True).tail[-1]).strip()
+    def paths(self, patch_file: Path, strip: int) -> list[str]:
+        """:func:`touched_paths`, once per patch file."""
+        key = (patch_file, strip)
+        if key not in self._paths:
+            self._paths[key] = touched_paths(self.repo, patch_file, strip, self.log)
+        return self._paths[key]
 
     @property
     def _files(self) -> Path:
@@ -187,7 +190,7 @@ class IndexTree:
         exe = shutil.which("patch")
         if exe is None:
             return None
-        files = self.materialize(touched_paths(self.repo, patch_file, strip, self.log))
+        files = self.materialize(self.paths(patch_file, strip))
         args = [exe, "--batch", "--force", f"-p{strip}", f"-F{CHECK_FUZZ}",
                 "--no-backup-if-mismatch", "-r", "-", "-i", str(patch_file)]
         if dry_run:

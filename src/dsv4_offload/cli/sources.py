@@ -307,7 +307,8 @@ def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
                     "first fails", "first upstream"), carry.bisect_rows(reports))
     lines = [f"patch bisect {r.target}: {r.pinned[:12]}..{r.ref} ({r.ref_commit[:12]}): "
              f"{r.commits_walked} commits walked, {r.commits_checked} checked in "
-             f"{r.seconds:.2f} s" + (f"; note: {r.note}" if r.note else "") for r in reports]
+             f"{r.seconds:.2f} s ({r.fetch_seconds:.2f} s fetching)"
+             + (f"; note: {r.note}" if r.note else "") for r in reports]
     kit.emit(ctx, command="patch check --bisect", status="ok" if ok else "failed",
              data={"ok": ok, "targets": [r.as_dict() for r in reports], "log": str(log)},
              table=_shown(ctx, table), lines=[*lines, f"log: {log}"])
