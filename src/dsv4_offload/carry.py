@@ -396,7 +396,7 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
                          "rebase --continue` or drop it with `patch rebase --abort`")
     source = recipe.source(target)
     entries = series.for_target(target)
-    for name in dict.fromkeys(e.origin.source for e in series.patches if e.origin.source):
+    for name in dict.fromkeys(e.origin.source for e in entries if e.origin.source):
         assert name is not None
         gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
     loaded = load_patches(entries, recipe, series, None)

@@ -169,14 +169,15 @@ def patch_check(
 
     \b
     1. Fetch the targets and the patch origins into the cache; check every sha256.
-    2. Per target, a scratch worktree at the pinned commit (or --rev TARGET=REF).
-    3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /
+    2. Per target, the pinned commit's tree (or --rev TARGET=REF) in a temporary index:
+       no checkout; only the touched files' blobs are read.
+    3. Per patch, in order, `git apply --cached --check`: clean / offset / fuzz (GNU patch
+       on the touched files) / fails (rejected hunks; what a 3-way merge makes of it) /
        already-upstream; then apply it so the next patch sees the tree it expects.
     4. Exit 0 only when every checked patch is clean.
-    Checks are index-only: a temporary index of the commit's tree, `git apply --cached`;
-    GNU patch (fuzz) gets only the touched files.
-    --bisect: the same check on every first-parent commit up to REF, in a blob-less history
-    cache; exit 0 only when every patch is clean at REF.
+    --bisect TARGET=REF: the same check along TARGET's first-parent history from the
+    pinned commit to REF (fetched blob-less); per patch the commits where it stops being
+    clean, needs fuzz, fails or is taken upstream; exit 0 only when all are clean at REF.
     """
     from pathlib import Path
 
@@ -218,7 +219,7 @@ def patch_check(
 @patch_app.command("rebase")
 def patch_rebase(
     ctx: typer.Context,
-    spec: str | None = typer.Argument(None, metavar="[TARGET=REF]",
+    spec: str | None = typer.Argument(None, metavar="TARGET=REF",
                                       help="The target and the upstream branch/tag/SHA to "
                                            "carry its patches onto."),
     out: str | None = typer.Option(None, "--out", metavar="DIR",
