@@ -500,9 +500,10 @@ def gitlink_commit(tree_repo: Path, commit: str, relpath: str) -> str | None:
 # --- blob-less history (bisect, rebase) ----------------------------------------------------
 
 HISTORY_REMOTE = "dsv4-history"
-# fetch-pack.c: "filtering not recognized by server, ignoring" (the host serves everything)
-_FILTER_REFUSED = re.compile(r"filtering not recognized by server|filter.*not (?:allowed|"
-                             r"supported)|unexpected line.*filter", re.I)
+# git's fetch-pack.c (both protocol versions): warning("filtering not recognized by server,
+# ignoring") when the host does not allow filters; it then serves everything (seen with
+# git 2.39.5 and a file:// host whose uploadpack.allowFilter is off)
+_FILTER_IGNORED = "filtering not recognized by server"
 
 
 def history_repo_path(name: str) -> Path:
@@ -544,8 +545,8 @@ def fetch_history(source: Source, ref: str, *, log: Path,
 
     1. ``fetch --filter=blob:none`` of the ref (and of the pinned commit by SHA if the ref
        does not contain it); blobs arrive on demand when a check reads a file;
-    2. a host that refuses filters serves everything: kept, with a note; one that fails on
-       the filter is asked again without it.
+    2. a host that ignores filters serves everything: kept, with a note; a filtered fetch
+       that fails (and not for a dead host) is tried again without the filter, with a note.
     """
     repo = history_repo_path(source.name)
     if not (repo / "HEAD").exists():
@@ -563,11 +564,16 @@ def fetch_history(source: Source, ref: str, *, log: Path,
         for url in candidate_urls(source, mirrors):
             _configure_partial(repo, url)
             ok, out = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, want], log)
-            refused = any(_FILTER_REFUSED.search(line) for line in out)
-            if not ok and refused:
+            why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), "see the log")
+            note = ""
+            if any(_FILTER_IGNORED in line for line in out):
+                note = (f"{url} does not allow filters (uploadpack.allowFilter): fetched the "
+                        "full history, blobs included")
+            elif not ok and not _unreachable(why):
                 ok, out = _run_fetch(repo, [HISTORY_REMOTE, want], log)
+                note = f"a blob-less fetch from {url} failed ({why}): fetched the full history"
+                why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), why)
             if not ok:
-                why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), "see the log")
                 continue
             named = ref if _HEX40.match(ref) else local
             commit = git_text(repo, "rev-parse", f"{named}^{{commit}}")
@@ -580,9 +586,7 @@ def fetch_history(source: Source, ref: str, *, log: Path,
                     continue
             git_text(repo, "update-ref", PIN_REF_PREFIX + source.commit, source.commit)
             git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
-            note = (f"{url} does not allow filters (uploadpack.allowFilter): fetched the full "
-                    "history, blobs included" if refused else "")
-            return HistoryFetch(repo, commit, url, not refused, note)
+            return HistoryFetch(repo, commit, url, not note, note)
     raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "
                     f"({why}); give a branch, tag or full SHA that exists upstream, or pass "
                     f"--mirror {source.name}=URL", log=str(log))
