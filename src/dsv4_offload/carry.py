@@ -367,6 +367,12 @@ def _slug(ref: str, commit: str) -> str:
     return commit[:12] if ref == commit else gitsrc._ref_slug(ref)
 
 
+def _ref_label(state: RebaseState) -> str:
+    """'v0.7.0 (e80614fc2d2c)', or the short SHA alone when REF was a SHA."""
+    short = state.ref_commit[:12]
+    return short if state.ref == state.ref_commit else f"{state.ref} ({short})"
+
+
 def default_out(ws: Workspace) -> Path:
     """The bundled data dir may be read-only: by default the new series goes to the workspace."""
     return ws.root / "rebased"
@@ -594,8 +600,8 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
                 old = _sha256(_old_bytes(entry, recipe, series))
                 doc.update(origin={"file": f"{entry.name}.patch"}, sha256=_sha256(data),
                            strip=1 if entry.strip == 1 else 0)
-                note = (f"{pick.note}; carried from {state.pinned[:12]} to {state.ref} "
-                        f"({state.ref_commit[:12]}); "
+                note = (f"{pick.note}; carried from {state.pinned[:12]} to "
+                        f"{_ref_label(state)}; "
                         + ("patch text unchanged" if old == doc["sha256"] else
                            f"was sha256 {old[:12]}…"))
             elif entry.origin.file is not None and old_dir is not None:
@@ -608,12 +614,12 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
             if note:
                 body.append(f"  # {entry.name}: {note}\n")
             body.append("".join(f"  {line}\n" for line in text.splitlines()))
-        header = (f"# {series.name} with {state.target}'s patches carried onto {state.ref} "
-                  f"({state.ref_commit}) by `dsv4-offload patch rebase`, from "
+        header = (f"# {series.name} with the {state.target} patches carried onto "
+                  f"{_ref_label(state)} by `dsv4-offload patch rebase`, from "
                   f"{state.pinned[:12]}.\n# Review the patches, then commit this directory.\n")
         doc_head = {"schema": 1, "name": new_series_name,
                     "description": (f"{series.description or series.name} — {state.target} "
-                                    f"carried onto {state.ref}")}
+                                    f"carried onto {_ref_label(state)}")}
         (partial / series_file).write_text(
             header + yaml.safe_dump(doc_head, sort_keys=False, allow_unicode=True, width=1000)
             + "patches:\n" + "".join(body), encoding="utf-8")
@@ -659,6 +665,6 @@ def _overlay(recipe: Recipe, path: Path | None, out_dir: Path, state: RebaseStat
     doc = {"schema": 1, "extends": extends,
            "name": f"{recipe.name}-{_slug(state.ref, state.ref_commit)}",
            "series": series_file, "sources": [source]}
-    return (f"# {recipe.name} with {state.target} at {state.ref} and the carried series; "
+    return (f"# {recipe.name} with {state.target} at {_ref_label(state)} and the carried series; "
             "written by `dsv4-offload patch rebase`.\n"
             + yaml.safe_dump(doc, sort_keys=False, allow_unicode=True, width=1000))
