@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload import gitsrc
-from dsv4_offload.errors import InputError
 from dsv4_offload.runner import run_command
 from dsv4_offload.series import (
     _GNU_FUZZ,
@@ -29,32 +27,13 @@ from dsv4_offload.series import (
     OFFSET,
     UPSTREAM,
     Classification,
+    Method,
+    method_of,
     parse_rejected,
 )
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import PatchEntry
-
-
-@dataclass(frozen=True)
-class Method:
-    """How a series ``method`` is tried against a tree: the one place to add a method."""
-
-    apply_args: tuple[str, ...] = ()  # extra `git apply` options (check and index apply)
-    mail: bool = False  # a mail from `git format-patch`: `git am` semantics (the diff part)
-
-
-# `git am` applies a mail's diff with `git apply`, so an index check of an mbox is the
-# same `git apply --cached`; only committing it differs (author and message from the mail)
-METHODS: dict[str, Method] = {"plain": Method(), "mbox": Method(mail=True)}
-
-
-def method_of(entry: PatchEntry) -> Method:
-    method = METHODS.get(entry.method)
-    if method is None:
-        raise InputError(f"patch '{entry.name}': method '{entry.method}' has no index check; "
-                         f"use one of {sorted(METHODS)}")
-    return method
 
 
 def touched_paths(repo: Path, patch_file: Path, strip: int, log: Path) -> list[str]:

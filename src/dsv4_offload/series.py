@@ -48,6 +48,33 @@ CLEAN, OFFSET, FUZZ, FAILS, UPSTREAM = "clean", "offset", "fuzz", "fails", "alre
 # status of one patch in a workspace
 APPLIED, NOT_APPLIED, CHANGED, MISSING = "applied", "not-applied", "changed", "missing"
 
+
+# --- methods -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a series ``method`` is applied, checked (index-only) and carried: the one place to
+    add a method."""
+
+    apply_args: tuple[str, ...] = ()  # extra `git apply` options (check and index apply)
+    mail: bool = False  # a mail from `git format-patch`: `git am` semantics (the diff part)
+
+
+# `git am` applies a mail's diff with `git apply`, so an index check of an mbox is the
+# same `git apply --cached`; only committing it differs (`git am`: the mail's author and
+# message)
+METHODS: dict[str, Method] = {"plain": Method(), "mbox": Method(mail=True)}
+
+
+def method_of(entry: PatchEntry) -> Method:
+    method = METHODS.get(entry.method)
+    if method is None:
+        raise InputError(f"patch '{entry.name}': method '{entry.method}' is not known here; "
+                         f"use one of {sorted(METHODS)}")
+    return method
+
+
 _HUNK_FAILED = re.compile(r"^error: patch failed: (.+):(\d+)$")
 _GIT_APPLY_ERROR = re.compile(r"^error: (.+?): (does not exist in index|already exists in "
                               r"(?:index|working directory)|No such file or directory|"
@@ -170,14 +197,16 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
               env: dict[str, str]) -> None:
     """One patch as one commit: ``git am --3way`` for mail format, else ``git apply --index``."""
     strip = f"-p{patch.entry.strip}"
-    if patch.entry.method == "mbox":
+    method = method_of(patch.entry)
+    if method.mail:
         _git(repo_dir, [*NO_HOOKS, "am", "-q", "--3way", strip, str(patch_file)], log, env)
         amend = ["commit", "-q", "--amend", "--no-edit", "--no-verify"]
         for t in trailers(patch):
             amend += ["--trailer", t]
         _git(repo_dir, [*NO_HOOKS, *amend], log, env)
     else:
-        _git(repo_dir, [*NO_HOOKS, "apply", "--index", strip, str(patch_file)], log, env)
+        _git(repo_dir, [*NO_HOOKS, "apply", "--index", *method.apply_args, strip,
+                        str(patch_file)], log, env)
         message = patch_file.with_suffix(".msg")  # beside the patch, in the caller's temp dir
         message.write_text(commit_message(patch), encoding="utf-8")
         _git(repo_dir, [*NO_HOOKS, "commit", "-q", "--no-verify", "-F", str(message)], log, env)
