@@ -111,6 +111,9 @@ def test_bisect_before_the_first_change_is_clean_and_a_filterless_host_is_noted(
         "patch", "check", "--bisect", "nope=main"], capsys)
     assert code == 2 and "not a target" in doc["data"]["error"]
     code, doc = run_cli(project.cli(tmp_path / "ws") + [
+        "patch", "check", "--bisect", "hist=main", "--rev", "hist=main"], capsys)
+    assert code == 2 and "drop --rev" in doc["data"]["error"]
+    code, doc = run_cli(project.cli(tmp_path / "ws") + [
         "patch", "check", "--bisect", "hist=no-such-branch"], capsys)
     assert code == 1 and "'no-such-branch' could not be fetched" in doc["data"]["error"]
 

@@ -188,6 +188,9 @@ def patch_check(
     pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
     if bisect:
+        if rev or only:
+            raise InputError("--bisect TARGET=REF names its own target and REF; drop --rev "
+                             "and --only")
         _bisect(ctx, pctx, bisect, junit, markdown, gitsrc.mirrors_from(mirror, pctx.recipe))
     revs: dict[str, str] = {}
     for item in rev:
