@@ -8,6 +8,7 @@ anything out (index-only checks, :mod:`indexcheck`).
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -414,9 +415,9 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
     worktree = rebase_dir(ws) / target
     branch = f"{REBASE_BRANCH_PREFIX}{target}-{slug}"
     repo = hist.repo
+    if worktree.exists():  # a start killed before it saved its state: ours, left over
+        _remove_worktree(repo, worktree, None, log)
     _git(repo, ["worktree", "prune"], log, check=False)
-    if worktree.exists():
-        raise InputError(f"{worktree} exists without a rebase state; remove it and rerun")
     worktree.parent.mkdir(parents=True, exist_ok=True)
     _git(repo, ["worktree", "add", "-q", "--no-checkout", "--detach", str(worktree),
                 source.commit], log)
@@ -458,7 +459,8 @@ def sparse_pattern(path: str) -> str:
 def _remove_worktree(repo: Path, worktree: Path, branch: str | None, log: Path) -> None:
     from dsv4_offload.series import _git
 
-    _git(repo, ["worktree", "remove", "--force", str(worktree)], log, check=False)
+    _git(repo, ["worktree", "remove", "--force", "--force", str(worktree)], log, check=False)
+    shutil.rmtree(worktree, ignore_errors=True)  # what `worktree remove` left (not a worktree)
     _git(repo, ["worktree", "prune"], log, check=False)
     if branch:
         _git(repo, ["branch", "-D", branch], log, check=False)
@@ -563,7 +565,6 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
             log: Path) -> RebaseOutcome:
     """The carried patches, their series and a recipe overlay, written all at once."""
     import os
-    import shutil
 
     import yaml
 
