@@ -337,12 +337,8 @@ class RebaseOutcome:
                 "message": self.message}
 
 
-def rebase_dir(ws: Workspace) -> Path:
-    return ws.root / "rebase"
-
-
 def _state_file(ws: Workspace) -> Path:
-    return rebase_dir(ws) / "state.json"
+    return ws.rebase_dir / "state.json"
 
 
 def read_rebase_state(ws: Workspace) -> RebaseState | None:
@@ -374,11 +370,6 @@ def _ref_label(state: RebaseState) -> str:
     return short if state.ref == state.ref_commit else f"{state.ref} ({short})"
 
 
-def default_out(ws: Workspace) -> Path:
-    """The bundled data dir may be read-only: by default the new series goes to the workspace."""
-    return ws.root / "rebased"
-
-
 def _committer_env(repo: Path, date_of: str) -> dict[str, str]:
     # only the committer: a cherry-pick keeps each patch's author (a mail's author included)
     from dsv4_offload.series import COMMITTER
@@ -399,7 +390,7 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
 
     _check_target(series, target, "patch rebase")
     if read_rebase_state(ws) is not None:
-        raise InputError(f"a rebase is under way in {rebase_dir(ws)}; finish it with `patch "
+        raise InputError(f"a rebase is under way in {ws.rebase_dir}; finish it with `patch "
                          "rebase --continue` or drop it with `patch rebase --abort`")
     source = recipe.source(target)
     entries = series.for_target(target)
@@ -409,10 +400,10 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
     loaded = load_patches(entries, recipe, series, None)
     hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
     slug = _slug(ref, hist.commit)
-    out_dir = (out or default_out(ws)).absolute() / f"{series.name}@{slug}"
+    out_dir = (out or ws.rebased_dir).absolute() / f"{series.name}@{slug}"
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; move it away or give another --out DIR")
-    worktree = rebase_dir(ws) / target
+    worktree = ws.rebase_dir / target
     branch = f"{REBASE_BRANCH_PREFIX}{target}-{slug}"
     repo = hist.repo
     if worktree.exists():  # a start killed before it saved its state: ours, left over
