@@ -84,7 +84,9 @@ def test_bisect_names_the_fuzz_fail_and_upstream_commits(
     assert suite is not None and suite.get("tests") == "2" and suite.get("failures") == "2"
     failure = {c.get("name"): c.find("failure") for c in suite.iter("testcase")}
     assert failure["hist-mail"] is not None
-    assert history.at(CONFLICT_AT)[:12] in (failure["hist-mail"].get("message") or "")
+    assert failure["hist-mail"].get("message") == (
+        f"fails at main, since {history.at(CONFLICT_AT)[:12]} "
+        f"upstream {CONFLICT_AT}: their line 10")
     summary = md.read_text()
     assert summary.startswith("## Patch bisect hist:")
     assert f"`{history.at(FAILS_AT)[:12]}` upstream {FAILS_AT}" in summary

@@ -243,9 +243,8 @@ def bisect_junit(reports: list[BisectReport]) -> bytes:
             case = ET.SubElement(suite, "testcase", classname=f"patch.{r.target}", name=h.name)
             if h.at_ref == CLEAN:
                 continue
-            first = next((t for t in h.transitions if t.status != CLEAN), None)
-            msg = f"{h.at_ref} at {r.ref}" + (
-                f"; first {first.status} at {first.commit[:12]} {first.subject}" if first else "")
+            since = h.transitions[-1]  # the commit that brought the state it has at REF
+            msg = f"{h.at_ref} at {r.ref}, since {since.commit[:12]} {since.subject}"
             fail = ET.SubElement(case, "failure", type=h.at_ref, message=msg[:500])
             fail.text = "\n".join(
                 f"{t.commit} {t.date} {t.status}: {t.subject} ({', '.join(t.files) or '-'})"
