@@ -38,11 +38,11 @@ if TYPE_CHECKING:
 
 def touched_paths(repo: Path, patch_file: Path, strip: int, log: Path) -> list[str]:
     """Every path the patch reads or writes (both names of a rename), from ``--numstat``."""
-    res = run_command(["git", "apply", "--numstat", "-z", f"-p{strip}", str(patch_file)],
-                      log=log, cwd=repo, env=gitsrc.git_env(), check=False)
+    res = _every_line(["git", "apply", "--numstat", "-z", f"-p{strip}", str(patch_file)],
+                      log, repo, gitsrc.git_env())
     if res.returncode != 0:
         return []
-    # the runner splits on newlines; -z output is one "line" of NUL-separated fields:
+    # the runner splits on newlines (a path may hold one); -z fields are NUL-separated:
     # "A\tD\tpath\0" or, for a rename, "A\tD\t\0old\0new\0"
     fields = "\n".join(res.tail).split("\0")
     out: list[str] = []
@@ -73,9 +73,9 @@ class IndexTree:
         self.reset(commit)
 
     def git(self, *args: str, work_tree: Path | None = None, check: bool = False) -> Any:
+        """git on the temporary index; the result's ``tail`` holds every line of output."""
         pre = [f"--work-tree={work_tree}"] if work_tree is not None else []
-        return run_command(["git", *pre, *args], log=self.log, cwd=self.repo, env=self.env,
-                           check=check)
+        return _every_line(["git", *pre, *args], self.log, self.repo, self.env, check)
 
     def reset(self, commit: str) -> None:
         """The index back to ``commit``'s tree (the patches carried so far dropped)."""
@@ -116,13 +116,11 @@ class IndexTree:
         scratch = self.tmp / "index.3way"
         shutil.copyfile(self.tmp / "index", scratch)
         env = {**self.env, "GIT_INDEX_FILE": str(scratch)}
-        res = run_command(["git", "apply", "--cached", "--3way", *method.apply_args,
-                           f"-p{strip}", str(patch_file)], log=self.log, cwd=self.repo,
-                          env=env, check=False)
+        res = _every_line(["git", "apply", "--cached", "--3way", *method.apply_args,
+                           f"-p{strip}", str(patch_file)], self.log, self.repo, env)
         if res.returncode == 0:
             return "; a 3-way merge applies it"
-        unmerged = run_command(["git", "ls-files", "-u", "-z"], log=self.log, cwd=self.repo,
-                               env=env, check=False)
+        unmerged = _every_line(["git", "ls-files", "-u", "-z"], self.log, self.repo, env)
         files = sorted({f.split("\t", 1)[1] for f in "\n".join(unmerged.tail).split("\0")
                         if "\t" in f})
         return f"; a 3-way merge conflicts in {', '.join(files)}" if files else ""
@@ -174,7 +172,17 @@ class IndexTree:
                 "--no-backup-if-mismatch", "-r", "-", "-i", str(patch_file)]
         if dry_run:
             args.insert(1, "--dry-run")
-        return run_command(args, log=self.log, cwd=files, env=gitsrc.git_env(), check=False)
+        return _every_line(args, self.log, files, gitsrc.git_env())
+
+
+def _every_line(args: list[str], log: Path, cwd: Path, env: dict[str, str],
+                check: bool = False) -> Any:
+    """run_command keeps the last lines only; a patch of hundreds of hunks reports an offset
+    (or fuzz) on each, and every one of them counts."""
+    lines: list[str] = []
+    res = run_command(args, log=log, cwd=cwd, env=env, check=check, on_line=lines.append)
+    res.tail = lines
+    return res
 
 
 def check_and_carry(tree: IndexTree, entry: PatchEntry, patch_file: Path
