@@ -457,8 +457,8 @@ def build_history(root: Path) -> History:
     return History(path, pinned, walk, {s.name: s for s in specs})
 
 
-def write_history_project(dir: Path, up: Upstreams, hist: History, url: str | None = None
-                          ) -> Project:
+def write_history_project(dir: Path, up: Upstreams, hist: History, url: str | None = None,
+                          pinned: str | None = None) -> Project:
     """A recipe whose tree root is ``hist`` (plus the delivery), and a series of its patches."""
     dir.mkdir(parents=True, exist_ok=True)
     (dir / "patches").mkdir(exist_ok=True)
@@ -474,7 +474,7 @@ def write_history_project(dir: Path, up: Upstreams, hist: History, url: str | No
     doc = yaml.safe_load(BUNDLED_RECIPE.read_text())
     doc.update(name="hist-recipe", series="patches/hist-series.yaml", delivery="delivery",
                tree_root="hist", sources=[
-                   {"name": "hist", "url": url or hist.url, "commit": hist.pinned,
+                   {"name": "hist", "url": url or hist.url, "commit": pinned or hist.pinned,
                     "path": "src/hist", "ref": "main"},
                    {"name": "delivery", "url": up.url("delivery"),
                     "commit": up.commits["delivery"], "path": "src/delivery", "patched": False},

@@ -118,6 +118,10 @@ def test_bisect_before_the_first_change_is_clean_and_a_filterless_host_is_noted(
     code, doc = run_cli(project.cli(tmp_path / "ws") + [
         "patch", "check", "--bisect", "hist=no-such-branch"], capsys)
     assert code == 1 and "'no-such-branch' could not be fetched" in doc["data"]["error"]
+    later = write_history_project(tmp_path / "later", upstreams, history, pinned=history.at(5))
+    code, doc = run_cli(later.cli(tmp_path / "ws") + [
+        "patch", "check", "--bisect", f"hist={history.at(2)}"], capsys)
+    assert code == 2 and "is an ancestor of the pinned commit" in doc["data"]["error"]
 
 
 def test_rebase_through_a_conflict_writes_a_series_that_checks_and_applies(

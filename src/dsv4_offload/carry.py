@@ -167,6 +167,11 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
     hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
     fetched = time.monotonic() - start
     repo = hist.repo
+    if hist.commit != source.commit and gitsrc.git_ok(repo, "merge-base", "--is-ancestor",
+                                                      hist.commit, source.commit):
+        raise InputError(f"--bisect {target}={ref}: {hist.commit[:12]} is an ancestor of the "
+                         f"pinned commit {source.commit[:12]}; the walk goes forward, give a "
+                         "later REF")
     walk = first_parent_walk(repo, source.commit, hist.commit)
     commits = walk.commits
     states: list[list[tuple[str, str]]] = []  # per commit: (status, detail) per patch
