@@ -88,6 +88,9 @@ class IndexTree:
 
     def classify(self, patch_file: Path, strip: int, method: Method) -> Classification:
         """clean / offset / fuzz / fails / already-upstream against the index."""
+        upstream = Classification(UPSTREAM, "already in the tree (applies in reverse)")
+        if method.reverse_first and self._reverse_applies(patch_file, strip, method):
+            return upstream
         fwd = self._apply(patch_file, strip, method, "--check", "-v")
         if fwd.returncode == 0:
             moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
@@ -95,12 +98,11 @@ class IndexTree:
             if moved:
                 return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
             return Classification(CLEAN)
-        rev = self._apply(patch_file, strip, method, "--check", "--reverse")
-        if rev.returncode == 0:
-            return Classification(UPSTREAM, "already in the tree (applies in reverse)")
+        if not method.reverse_first and self._reverse_applies(patch_file, strip, method):
+            return upstream
         hunks = parse_rejected(fwd.tail)
         merge = self.three_way(patch_file, strip, method)
-        gnu = self._gnu_patch(patch_file, strip, dry_run=True)
+        gnu = self._gnu_patch(patch_file, strip, dry_run=True) if method.fuzz else None
         if gnu is not None and gnu.returncode == 0:
             fuzzed = [f"hunk {m.group(1)} at {m.group(2)} (fuzz {m.group(4)})"
                       for m in map(_GNU_FUZZ.search, gnu.tail) if m]
@@ -108,6 +110,10 @@ class IndexTree:
                                   + merge, fuzzed)
         return Classification(FAILS, "rejected: " + (", ".join(hunks) or "see the log") + merge,
                               hunks)
+
+    def _reverse_applies(self, patch_file: Path, strip: int, method: Method) -> bool:
+        return bool(self._apply(patch_file, strip, method, "--check", "--reverse").returncode
+                    == 0)
 
     def three_way(self, patch_file: Path, strip: int, method: Method) -> str:
         """What a 3-way merge (`git am -3`, `patch rebase`) would make of a patch that does

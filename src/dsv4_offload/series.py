@@ -59,6 +59,9 @@ class Method:
 
     apply_args: tuple[str, ...] = ()  # extra `git apply` options (check and index apply)
     mail: bool = False  # a mail from `git format-patch`: `git am` semantics (the diff part)
+    # a patch that applies forward anywhere (no context) is told applied only by its reverse
+    reverse_first: bool = False
+    fuzz: bool = True  # GNU patch's fuzz is a meaningful fallback (not without context)
 
 
 # `git am` applies a mail's diff with `git apply`, so an index check of an mbox is the
