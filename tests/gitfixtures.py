@@ -458,12 +458,15 @@ def build_history(root: Path) -> History:
 
 
 def write_history_project(dir: Path, up: Upstreams, hist: History, url: str | None = None,
-                          pinned: str | None = None) -> Project:
+                          pinned: str | None = None, names: list[str] | None = None
+                          ) -> Project:
     """A recipe whose tree root is ``hist`` (plus the delivery), and a series of its patches."""
     dir.mkdir(parents=True, exist_ok=True)
     (dir / "patches").mkdir(exist_ok=True)
     entries = []
     for spec in hist.patches.values():
+        if names is not None and spec.name not in names:
+            continue
         (dir / "patches" / spec.file_name).write_bytes(spec.data)
         entries.append({"name": spec.name, "target": "hist", "origin": {"file": spec.file_name},
                         "sha256": spec.sha256, "strip": 1, "method": spec.method,

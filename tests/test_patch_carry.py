@@ -210,6 +210,18 @@ def test_rebase_abort_drops_everything_and_a_second_start_is_refused(
     assert code == 2 and "no rebase" in doc["data"]["error"]
 
 
+def test_rebase_of_a_series_upstream_took_whole_says_so(
+        tmp_path: Path, upstreams: Upstreams, history: History,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    project = write_history_project(tmp_path / "p", upstreams, history, names=["hist-moving"])
+    ws = tmp_path / "ws"
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "hist=v2.0"], capsys)
+    assert code == 2 and "nothing to carry" in doc["data"]["error"]
+    assert not (ws / "rebased").exists()
+    code, doc = run_cli(project.cli(ws) + ["patch", "rebase", "--abort"], capsys)
+    assert code == 0 and [p["state"] for p in doc["data"]["patches"]] == ["dropped"]
+
+
 @pytest.mark.parametrize("nth", [1, 2])
 def test_a_rebase_killed_after_a_pick_restarts_that_pick(
         nth: int, tmp_path: Path, upstreams: Upstreams, history: History,

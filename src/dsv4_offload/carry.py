@@ -571,6 +571,12 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
     if out_dir.exists():
         raise InputError(f"{out_dir} exists; move it away and run `patch rebase --continue`")
     partial = out_dir.with_name(f".{out_dir.name}.partial")
+    kept = [e for e in series.patches if e.target != state.target] + [
+        p for p in state.picks if p.state == DONE]
+    if not kept:  # a series needs a patch: say so rather than write one that cannot load
+        raise InputError(f"every patch of series '{series.name}' is already upstream at "
+                         f"{_ref_label(state)}: nothing to carry; pin that commit in the "
+                         "recipe without these patches, then `patch rebase --abort`")
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
