@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -297,12 +298,7 @@ def write_project(dir: Path, up: Upstreams, names: list[str],
                    source("lib", "src/main/third_party/lib", submodule_of="main", patched=False),
                    source("delivery", "src/delivery", patched=False),
                ])
-    for step in doc["build"]["steps"]:
-        step.pop("log_sources", None)  # names the bundled recipe's sources, replaced here
-    # sglang's log lines: these test upstreams print none of them (`patch audit` would say so)
-    doc["acceptance"].update(log_markers_required=[], log_markers_forbidden=[])
-    if doc.get("conversion", {}).get("digests_manifest"):
-        doc["conversion"]["digests_manifest"]["source"] = "delivery"
+    _detach_from_bundled_sources(doc)
     recipe = dir / "recipe.yaml"
     recipe.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
     return Project(dir, recipe, series, up)
@@ -382,3 +378,126 @@ exec "{real}" "$@"
 """)
     shim.chmod(0o755)
     return dir
+
+
+# --- a 40-commit upstream history (patch check --bisect, patch rebase) ----------------------
+
+HIST_FILES = {"README": "a history\n", "src/a.c": lines("a", 40), "src/b.c": lines("b", 20)}
+FUZZ_AT, FAILS_AT, MERGE_AT, UPSTREAM_AT, CONFLICT_AT, HIST_LENGTH = 10, 20, 25, 30, 35, 40
+
+
+@dataclass
+class History:
+    """``hist``: a pinned commit and 40 first-parent commits after it on main, in which the
+    patch ``hist-moving`` (src/a.c) needs fuzz at FUZZ_AT, fails at FAILS_AT and is taken
+    upstream at UPSTREAM_AT, and the mail ``hist-mail`` (src/b.c) conflicts from CONFLICT_AT.
+    A side branch is merged at MERGE_AT (its own commit is not on the first-parent walk)."""
+
+    path: Path
+    pinned: str
+    walk: list[str]  # the 40 commits after the pinned one, oldest first; walk[i-1] is number i
+    patches: dict[str, PatchSpec]
+
+    @property
+    def url(self) -> str:
+        return self.path.as_uri()
+
+    def at(self, number: int) -> str:
+        return self.walk[number - 1]
+
+
+def build_history(root: Path) -> History:
+    path = root / "hist"
+    pinned, _ = make_upstream(path, HIST_FILES)
+    git(path, "config", "uploadpack.allowFilter", "true")  # a host that serves blob-less
+    work = root / "_hist_work"
+    specs = [
+        PatchSpec("hist-moving", "hist", make_patch(
+            path, pinned, work, _replace("src/a.c", "a line 20\n", "a line 20 patched\n")),
+            own_file=True),
+        PatchSpec("hist-mail", "hist", make_patch(
+            path, pinned, work, _replace("src/b.c", "b line 10\n", "b line 10 ours\n"),
+            mbox=True, subject="b: our change"), method="mbox", own_file=True),
+    ]
+    walk = []
+    for i in range(1, HIST_LENGTH + 1):
+        when = f"2025-03-{1 + i // 24:02d}T{i % 24:02d}:00:00Z"
+        env = {"GIT_AUTHOR_DATE": when, "GIT_COMMITTER_DATE": when}
+        subject = f"upstream {i}: notes"
+        if i == FUZZ_AT:  # the first context line of the patch's hunk: GNU patch -F1 copes
+            _replace("src/a.c", "a line 17\n", "a line 17 moved\n")(path)
+            subject = f"upstream {i}: reword line 17"
+        elif i == FAILS_AT:  # inner context on both sides: beyond fuzz 2
+            _chain(_replace("src/a.c", "a line 19\n", "a line 19 gone\n"),
+                   _replace("src/a.c", "a line 21\n", "a line 21 gone\n"))(path)
+            subject = f"upstream {i}: rewrite around line 20"
+        elif i == UPSTREAM_AT:  # upstream takes the change itself
+            _write(path, {"src/a.c": lines("a", 40).replace("a line 20\n",
+                                                           "a line 20 patched\n")})
+            subject = f"upstream {i}: take the line 20 fix"
+        elif i == CONFLICT_AT:
+            _replace("src/b.c", "b line 10\n", "b line 10 theirs\n")(path)
+            subject = f"upstream {i}: their line 10"
+        elif i == MERGE_AT:
+            git(path, "checkout", "-q", "-b", "side")
+            _write(path, {"notes/side.txt": "side\n"})
+            git(path, "add", "-A")
+            git(path, "commit", "-q", "-m", "side work", env=env)
+            git(path, "checkout", "-q", "main")
+            git(path, "merge", "-q", "--no-ff", "side", "-m", f"upstream {i}: merge side",
+                env=env)
+            walk.append(git(path, "rev-parse", "HEAD"))
+            continue
+        else:
+            _write(path, {f"notes/n{i}.txt": f"note {i}\n"})
+        git(path, "add", "-A")
+        git(path, "commit", "-q", "-m", subject, env=env)
+        walk.append(git(path, "rev-parse", "HEAD"))
+    git(path, "tag", "v2.0", walk[-1])
+    return History(path, pinned, walk, {s.name: s for s in specs})
+
+
+def write_history_project(dir: Path, up: Upstreams, hist: History, url: str | None = None,
+                          pinned: str | None = None, names: list[str] | None = None
+                          ) -> Project:
+    """A recipe whose tree root is ``hist`` (plus the delivery), and a series of its patches."""
+    dir.mkdir(parents=True, exist_ok=True)
+    (dir / "patches").mkdir(exist_ok=True)
+    entries = []
+    for spec in hist.patches.values():
+        if names is not None and spec.name not in names:
+            continue
+        (dir / "patches" / spec.file_name).write_bytes(spec.data)
+        entries.append({"name": spec.name, "target": "hist", "origin": {"file": spec.file_name},
+                        "sha256": spec.sha256, "strip": 1, "method": spec.method,
+                        "upstream": "submitted", "description": f"test patch {spec.name}"})
+    series = dir / "patches" / "hist-series.yaml"
+    series.write_text(yaml.safe_dump({"schema": 1, "name": "hist-series", "patches": entries},
+                                     sort_keys=False))
+    doc = yaml.safe_load(BUNDLED_RECIPE.read_text())
+    doc.update(name="hist-recipe", series="patches/hist-series.yaml", delivery="delivery",
+               tree_root="hist", sources=[
+                   {"name": "hist", "url": url or hist.url, "commit": pinned or hist.pinned,
+                    "path": "src/hist", "ref": "main"},
+                   {"name": "delivery", "url": up.url("delivery"),
+                    "commit": up.commits["delivery"], "path": "src/delivery", "patched": False},
+               ])
+    _detach_from_bundled_sources(doc)
+    recipe = dir / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(doc, sort_keys=False, allow_unicode=True))
+    return Project(dir, recipe, series, up)
+
+
+def _detach_from_bundled_sources(doc: dict[str, Any]) -> None:
+    """What of the bundled recipe names its sources, fitted to test sources replacing them."""
+    for step in doc["build"]["steps"]:
+        step.pop("log_sources", None)  # names the bundled recipe's sources, replaced here
+    # sglang's log lines: these test upstreams print none of them (`patch audit` would say so)
+    doc["acceptance"].update(log_markers_required=[], log_markers_forbidden=[])
+    if doc.get("conversion", {}).get("digests_manifest"):
+        doc["conversion"]["digests_manifest"]["source"] = "delivery"
+
+
+@pytest.fixture(scope="session")
+def history(tmp_path_factory: pytest.TempPathFactory) -> History:
+    return build_history(tmp_path_factory.mktemp("history"))

@@ -1,4 +1,4 @@
-"""patch check: the CI verification, in scratch worktrees of the cache."""
+"""patch check: the CI verification, index-only against the cache (no checkout)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def test_check_reports_every_kind_of_patch(tmp_path: Path, upstreams: Upstreams,
     assert summary.startswith("## Patch series check: FAILED")
     assert "| `main-bad` | main |" in summary and "src/bad.c:7" in summary
 
-    # never touches the workspace; the scratch worktrees are gone
+    # never touches the workspace, and no worktree of the cache is made
     assert not (ws / "src").exists()
     for name in ("main", "sub"):
         cache = tmp_path / "cache" / "git" / f"{name}.git"

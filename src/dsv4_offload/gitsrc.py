@@ -495,3 +495,98 @@ def gitlink_commit(tree_repo: Path, commit: str, relpath: str) -> str | None:
         return None
     parts = out.split()
     return parts[2] if len(parts) >= 3 and parts[1] == "commit" else None
+
+
+# --- blob-less history (bisect, rebase) ----------------------------------------------------
+
+HISTORY_REMOTE = "dsv4-history"
+# git's fetch-pack.c (both protocol versions): warning("filtering not recognized by server,
+# ignoring") when the host does not allow filters; it then serves everything (seen with
+# git 2.39.5 and a file:// host whose uploadpack.allowFilter is off)
+_FILTER_IGNORED = "filtering not recognized by server"
+
+
+def history_repo_path(name: str) -> Path:
+    """A second cache repository per source: its history without blobs (a partial clone)."""
+    return cache_root() / "git" / f"{name}.history.git"
+
+
+@dataclass
+class HistoryFetch:
+    repo: Path
+    commit: str  # what the ref names
+    url: str
+    blobless: bool  # False: the host refused filters, the blobs came too
+    note: str = ""
+
+
+def _configure_partial(repo: Path, url: str) -> None:
+    """A promisor remote, so a blob the history lacks is fetched when a check reads it."""
+    for key, value in (("core.repositoryformatversion", "1"),
+                       (f"remote.{HISTORY_REMOTE}.url", url),
+                       (f"remote.{HISTORY_REMOTE}.promisor", "true"),
+                       (f"remote.{HISTORY_REMOTE}.partialclonefilter", "blob:none"),
+                       ("extensions.partialClone", HISTORY_REMOTE)):
+        git_text(repo, "config", key, value)
+
+
+def _run_fetch(repo: Path, args: list[str], log: Path) -> tuple[bool, list[str]]:
+    from dsv4_offload.runner import run_command
+
+    lines: list[str] = []
+    res = run_command(["git", "fetch", "--no-tags", "--no-write-fetch-head", *args], log=log,
+                      cwd=repo, env=git_env(), on_line=lines.append, check=False)
+    return res.returncode == 0, lines
+
+
+def fetch_history(source: Source, ref: str, *, log: Path,
+                  mirrors: dict[str, list[str]] | None = None) -> HistoryFetch:
+    """The history of ``ref`` and the pinned commit, blob-less, into the history cache.
+
+    1. ``fetch --filter=blob:none`` of the ref (and of the pinned commit by SHA if the ref
+       does not contain it); blobs arrive on demand when a check reads a file;
+    2. a host that ignores filters serves everything: kept, with a note; a filtered fetch
+       that fails (and not for a dead host) is tried again without the filter, with a note.
+    """
+    repo = history_repo_path(source.name)
+    if not (repo / "HEAD").exists():
+        import git
+
+        try:
+            git.Repo.init(repo, bare=True)
+        except OSError as exc:
+            raise InputError(f"{repo}: cannot create the git cache ({exc.strerror}); set "
+                             f"{CACHE_ENV} to a writable directory") from None
+    local = f"refs/dsv4/rev/{_ref_slug(ref)}"
+    want = ref if _HEX40.match(ref) else f"+{ref}:{local}"
+    why = ""
+    with _cache_lock(repo):
+        for url in candidate_urls(source, mirrors):
+            _configure_partial(repo, url)
+            ok, out = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, want], log)
+            why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), "see the log")
+            note = ""
+            if any(_FILTER_IGNORED in line for line in out):
+                note = (f"{url} does not allow filters (uploadpack.allowFilter): fetched the "
+                        "full history, blobs included")
+            elif not ok and not _unreachable(why):
+                ok, out = _run_fetch(repo, [HISTORY_REMOTE, want], log)
+                note = f"a blob-less fetch from {url} failed ({why}): fetched the full history"
+                why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), why)
+            if not ok:
+                continue
+            named = ref if _HEX40.match(ref) else local
+            commit = git_text(repo, "rev-parse", f"{named}^{{commit}}")
+            if not has_commit(repo, source.commit):
+                # the pinned commit is not in the ref's history: ask for it by SHA
+                ok2, _ = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, source.commit],
+                                    log)
+                if not ok2 or not has_commit(repo, source.commit):
+                    why = f"the pinned commit {source.commit[:12]} is not reachable from {ref}"
+                    continue
+            git_text(repo, "update-ref", PIN_REF_PREFIX + source.commit, source.commit)
+            git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
+            return HistoryFetch(repo, commit, url, not note, note)
+    raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "
+                    f"({why}); give a branch, tag or full SHA that exists upstream, or pass "
+                    f"--mirror {source.name}=URL", log=str(log))

@@ -15,7 +15,7 @@ import shutil
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -47,6 +47,41 @@ NO_HOOKS = ["-c", "core.hooksPath=/dev/null", "-c", "commit.gpgSign=false",
 CLEAN, OFFSET, FUZZ, FAILS, UPSTREAM = "clean", "offset", "fuzz", "fails", "already-upstream"
 # status of one patch in a workspace
 APPLIED, NOT_APPLIED, CHANGED, MISSING = "applied", "not-applied", "changed", "missing"
+
+
+# --- methods -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Method:
+    """How a series ``method`` is applied, checked (index-only) and carried: the one place to
+    add a method."""
+
+    apply_args: tuple[str, ...] = ()  # extra `git apply` options (check and index apply)
+    mail: bool = False  # a mail from `git format-patch`: `git am` semantics (the diff part)
+    # a patch that applies forward anywhere (no context) is told applied only by its reverse
+    reverse_first: bool = False
+    fuzz: bool = True  # GNU patch's fuzz is a meaningful fallback (not without context)
+
+
+# `git am` applies a mail's diff with `git apply`, so an index check of an mbox is the
+# same `git apply --cached`; only committing it differs (`git am`: the mail's author and
+# message)
+METHODS: dict[str, Method] = {
+    "plain": Method(),
+    "mbox": Method(mail=True),
+    # this project's own zero-context diffs of pure additions (`git apply --unidiff-zero`)
+    "unidiff-zero": Method(apply_args=("--unidiff-zero",), reverse_first=True, fuzz=False),
+}
+
+
+def method_of(entry: PatchEntry) -> Method:
+    method = METHODS.get(entry.method)
+    if method is None:
+        raise InputError(f"patch '{entry.name}': method '{entry.method}' is not known here; "
+                         f"use one of {sorted(METHODS)}")
+    return method
+
 
 _HUNK_FAILED = re.compile(r"^error: patch failed: (.+):(\d+)$")
 _GIT_APPLY_ERROR = re.compile(r"^error: (.+?): (does not exist in index|already exists in "
@@ -175,14 +210,6 @@ def zero_context_problem(data: bytes) -> str | None:
     return None if hunks else "no hunks found"
 
 
-def apply_flags(entry: PatchEntry) -> list[str]:
-    """`git apply` options of an entry: the strip level, and --unidiff-zero for ours."""
-    flags = [f"-p{entry.strip}"]
-    if entry.method == "unidiff-zero":
-        flags.append("--unidiff-zero")
-    return flags
-
-
 # --- git operations on one tree ------------------------------------------------------------
 
 
@@ -217,15 +244,16 @@ def apply_one(repo_dir: Path, patch: LoadedPatch, patch_file: Path, log: Path,
               env: dict[str, str]) -> None:
     """One patch as one commit: ``git am --3way`` for mail format, else ``git apply --index``."""
     strip = f"-p{patch.entry.strip}"
-    flags = apply_flags(patch.entry)
-    if patch.entry.method == "mbox":
+    method = method_of(patch.entry)
+    if method.mail:
         _git(repo_dir, [*NO_HOOKS, "am", "-q", "--3way", strip, str(patch_file)], log, env)
         amend = ["commit", "-q", "--amend", "--no-edit", "--no-verify"]
         for t in trailers(patch):
             amend += ["--trailer", t]
         _git(repo_dir, [*NO_HOOKS, *amend], log, env)
     else:
-        _git(repo_dir, [*NO_HOOKS, "apply", "--index", *flags, str(patch_file)], log, env)
+        _git(repo_dir, [*NO_HOOKS, "apply", "--index", *method.apply_args, strip,
+                        str(patch_file)], log, env)
         message = patch_file.with_suffix(".msg")  # beside the patch, in the caller's temp dir
         message.write_text(commit_message(patch), encoding="utf-8")
         _git(repo_dir, [*NO_HOOKS, "commit", "-q", "--no-verify", "-F", str(message)], log, env)
@@ -255,8 +283,13 @@ def rejected_hunks(repo_dir: Path, patch_file: Path, strip: int, log: Path,
     zero = ["--unidiff-zero"] if zero_context else []
     result = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", *zero, str(patch_file)],
                   log, check=False)
+    return parse_rejected(result.tail)
+
+
+def parse_rejected(tail: list[str]) -> list[str]:
+    """``file:line`` of each hunk (or file) in the output of ``git apply --check -v``."""
     out: list[str] = []
-    for line in result.tail:
+    for line in tail:
         m = _HUNK_FAILED.match(line.strip())
         if m:
             out.append(f"{m.group(1)}:{m.group(2)}")
@@ -659,24 +692,14 @@ class CheckReport:
                 "patches": [asdict(r) for r in self.rows]}
 
 
-@contextlib.contextmanager
-def scratch_worktree(cache_repo: Path, commit: str, parent: Path, log: Path) -> Iterator[Path]:
-    """A detached worktree of the cache at ``commit``, removed afterwards."""
-    path = parent / cache_repo.stem
-    _git(cache_repo, ["worktree", "prune"], log, check=False)  # a killed check's leftovers
-    _git(cache_repo, ["worktree", "add", "-q", "--detach", str(path), commit], log)
-    try:
-        yield path
-    finally:
-        _git(cache_repo, ["worktree", "remove", "--force", str(path)], log, check=False)
-        _git(cache_repo, ["worktree", "prune"], log, check=False)
-
-
 def check_series(recipe: Recipe, series: Series, log: Path, *,
                  mirrors: dict[str, list[str]] | None = None,
                  revs: dict[str, str] | None = None,
                  only: Sequence[str] | None = None) -> CheckReport:
-    """Apply the series in scratch worktrees of the cache; never touches a workspace."""
+    """Try the series against each target's commit in a temporary index of the cache (no
+    checkout, only the touched files' blobs read); never touches a workspace."""
+    from dsv4_offload.indexcheck import IndexTree, check_and_carry
+
     revs = dict(revs or {})
     targets = series_targets(series, only)
     for t in revs:
@@ -698,33 +721,12 @@ def check_series(recipe: Recipe, series: Series, log: Path, *,
             else:
                 base = gitsrc.fetch_commit(source, log=log, mirrors=mirrors).commit
             bases[target] = base
-            cache = gitsrc.cache_repo_path(target)
-            with scratch_worktree(cache, base, Path(tmp), log) as tree:
-                env = commit_env(tree, base)
-                for patch in (p for p in loaded if p.entry.target == target):
-                    rows.append(_check_one(tree, patch, base, Path(tmp), log, env))
+            tree = IndexTree(gitsrc.cache_repo_path(target), base, Path(tmp) / target, log)
+            for patch in (p for p in loaded if p.entry.target == target):
+                c, seconds = check_and_carry(tree, patch.entry, patch.write_to(Path(tmp)))
+                rows.append(CheckRow(patch.entry.name, target, base, c.status, c.detail,
+                                     c.hunks, seconds))
     return CheckReport(rows, bases)
-
-
-def _check_one(tree: Path, patch: LoadedPatch, base: str, tmp: Path, log: Path,
-               env: dict[str, str]) -> CheckRow:
-    start = time.monotonic()
-    patch_file = patch.write_to(tmp)
-    c = classify(tree, patch_file, patch.entry.strip, log, patch.entry.method == "unidiff-zero")
-    # apply what can be applied so the next patches see the tree they expect
-    if c.status in (CLEAN, OFFSET):
-        try:
-            apply_one(tree, patch, patch_file, log, env)
-        except CommandFailed as exc:
-            rollback(tree, "HEAD", log)
-            c = Classification(FAILS, f"git {patch.entry.method} failed: {exc.message}")
-    elif c.status == FUZZ:
-        _gnu_patch(tree, patch_file, patch.entry.strip, log, dry_run=False)
-        _git(tree, ["add", "-A"], log, env)
-        _git(tree, [*NO_HOOKS, "commit", "-q", "--no-verify", "-m",
-                    commit_message(patch)], log, env, check=False)
-    return CheckRow(patch.entry.name, patch.entry.target, base, c.status, c.detail, c.hunks,
-                    round(time.monotonic() - start, 3))
 
 
 def junit_xml(report: CheckReport) -> bytes:

@@ -143,6 +143,17 @@ class Workspace:
         return self.meta_dir / "weights" / f"{which}.json"
 
     @property
+    def rebase_dir(self) -> Path:
+        """`patch rebase` under way: its state file and the sparse work tree per target."""
+        return self.root / "rebase"
+
+    @property
+    def rebased_dir(self) -> Path:
+        """Where `patch rebase` writes <series>@<REF>/ without --out (the bundled data dir
+        may be read-only)."""
+        return self.root / "rebased"
+
+    @property
     def hub_cache_dir(self) -> Path:
         """The hub clients' cache (locks, refs); the weights themselves go to weights_dir."""
         return self.meta_dir / "hub-cache"

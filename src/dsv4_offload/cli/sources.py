@@ -204,17 +204,27 @@ def patch_check(
     markdown: str | None = typer.Option(None, "--markdown", metavar="FILE",
                                         help="Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
     mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+    bisect: list[str] = typer.Option(
+        [], "--bisect", metavar="TARGET=REF",
+        help="Walk TARGET's first-parent history from the pinned commit to REF: per patch the "
+             "last clean commit and the first that needs offset, fuzz, fails or has it "
+             "upstream."),
 ) -> None:
     """CI: does the series still apply? Never touches the workspace.
 
     \b
     1. Fetch the targets and the patch origins into the cache; check every sha256.
-    2. Per target, a scratch worktree at the pinned commit (or --rev TARGET=REF).
-    3. Per patch, in order: clean / offset / fuzz / fails (rejected hunks) /
+    2. Per target, the pinned commit's tree (or --rev TARGET=REF) in a temporary index:
+       no checkout; only the touched files' blobs are read.
+    3. Per patch, in order, `git apply --cached --check`: clean / offset / fuzz (GNU patch
+       on the touched files) / fails (rejected hunks; what a 3-way merge makes of it) /
        already-upstream; then apply it so the next patch sees the tree it expects.
     4. `patch audit` of the log markers against the workspace's patched trees
        (unchecked where none is laid out).
     5. Exit 0 only when every checked patch is clean and no required marker is missing.
+    --bisect TARGET=REF: the same check along TARGET's first-parent history from the
+    pinned commit to REF (fetched blob-less); per patch the commits where it stops being
+    clean, needs fuzz, fails or is taken upstream; exit 0 only when all are clean at REF.
     """
     from pathlib import Path
 
@@ -224,6 +234,11 @@ def patch_check(
 
     pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
+    if bisect:
+        if rev or only:
+            raise InputError("--bisect TARGET=REF names its own target and REF; drop --rev "
+                             "and --only")
+        _bisect(ctx, pctx, bisect, junit, markdown, gitsrc.mirrors_from(mirror, pctx.recipe))
     revs: dict[str, str] = {}
     for item in rev:
         name, sep, ref = item.partition("=")
@@ -253,6 +268,106 @@ def patch_check(
     kit.emit(ctx, command="patch check", status=verdict, data=data, table=_shown(ctx, table),
                 lines=[f"patch check: {verdict} — {counts}; log: {log}",
                        f"patch audit: {audited.summary()}", *_audit_errors(audited)])
+    kit.exit_with(ExitCode.OK if ok else ExitCode.FAILED)
+
+
+@patch_app.command("rebase")
+def patch_rebase(
+    ctx: typer.Context,
+    spec: str | None = typer.Argument(None, metavar="TARGET=REF",
+                                      help="The target and the upstream branch/tag/SHA to "
+                                           "carry its patches onto."),
+    out: str | None = typer.Option(None, "--out", metavar="DIR",
+                                   help="Where <series>@<REF>/ is written (default: "
+                                        "<workspace>/rebased; e.g. patches/ to commit it)."),
+    cont: bool = typer.Option(False, "--continue", help="Go on after fixing a conflict."),
+    abort: bool = typer.Option(False, "--abort", help="Drop the rebase under way."),
+    mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL", help=_MIRROR_HELP),
+) -> None:
+    """Carry TARGET's patches onto a newer upstream REF as a new series (maintainers).
+
+    \b
+    1. REF's history into the blob-less history cache; the patches applied as commits on
+       the pinned commit in a work tree <workspace>/rebase/TARGET.
+    2. Each commit cherry-picked (3-way) onto REF in branch dsv4-rebase/TARGET-REF; one
+       already upstream is dropped. At a conflict it stops: fix the files there, `git add`
+       them, `patch rebase --continue`; or `patch rebase --abort`.
+    3. Done: DIR/<series>@<REF>/ holds the regenerated patches, a series file (new sha256,
+       origin file, upstream status kept, a note per patch) and recipe.yaml, an overlay
+       (`extends:` the recipe) pinning REF: use it with --recipe for check, apply or run.
+    The workspace's checkouts are never touched.
+    """
+    from pathlib import Path
+
+    from dsv4_offload import carry, gitsrc
+    from dsv4_offload.errors import InputError
+
+    if cont + abort + (spec is not None) != 1:
+        raise InputError("patch rebase: give TARGET=REF to start, or --continue, or --abort")
+    pctx = kit.load_context(ctx, "patch")
+    gitsrc.require_git()
+    log = pctx.log_dir / "rebase.log"
+    ws = pctx.workspace
+    with ws.lock("patch rebase"):
+        if abort:
+            outcome = carry.rebase_abort(ws, log)
+        elif cont:
+            outcome = carry.rebase_continue(pctx.recipe, pctx.series, ws, log)
+        else:
+            assert spec is not None
+            target, ref = carry.parse_target_ref(spec, "patch rebase")
+            outcome = carry.rebase_start(pctx.recipe, pctx.series, ws, target, ref, log,
+                                         out=Path(out) if out else None,
+                                         mirrors=gitsrc.mirrors_from(mirror, pctx.recipe))
+    s = outcome.state
+    table = _table(("patch", "state", "note"),
+                   [(p.name, p.state, p.note or ", ".join(p.files)) for p in s.picks])
+    lines = [f"patch rebase {s.target} {s.pinned[:12]} -> {s.ref} ({s.ref_commit[:12]}): "
+             f"{outcome.status}; {outcome.message}"]
+    if outcome.status == "stopped":
+        lines += [f"fix {', '.join(outcome.conflicts)} in {s.worktree}, then "
+                  f"`git -C {s.worktree} add <files>` and `dsv4-offload patch rebase "
+                  "--continue`; or `dsv4-offload patch rebase --abort` (the pinned state is "
+                  "untouched)"]
+    elif outcome.status == "done":
+        lines += [f"series: {outcome.series_file}", f"recipe overlay: {outcome.recipe_file} "
+                  f"(dsv4-offload --recipe {outcome.recipe_file} patch check)"]
+    lines.append(f"log: {log}")
+    data = outcome.as_dict()
+    data["log"] = str(log)
+    stopped = outcome.status == "stopped"
+    kit.emit(ctx, command="patch rebase", status="failed" if stopped else "ok", data=data,
+             table=_shown(ctx, table), lines=lines)
+    kit.exit_with(ExitCode.FAILED if stopped else ExitCode.OK)
+
+
+def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
+            markdown: str | None, mirrors: dict[str, list[str]]) -> None:
+    from pathlib import Path
+
+    from dsv4_offload import carry
+    from dsv4_offload import series as series_ops
+
+    log = pctx.log_dir / "bisect.log"
+    reports = []
+    for item in items:
+        target, ref = carry.parse_target_ref(item, "--bisect")
+        reports.append(carry.bisect_target(pctx.recipe, pctx.series, target, ref, log,
+                                           mirrors=mirrors))
+    if junit:
+        series_ops.write_report(Path(junit), carry.bisect_junit(reports))
+    if markdown:
+        series_ops.write_report(Path(markdown), carry.bisect_markdown(reports).encode("utf-8"))
+    ok = all(r.ok for r in reports)
+    table = _table(("patch", "target", "at REF", "last clean", "first offset", "first fuzz",
+                    "first fails", "first upstream"), carry.bisect_rows(reports))
+    lines = [f"patch bisect {r.target}: {r.pinned[:12]}..{r.ref} ({r.ref_commit[:12]}): "
+             f"{r.commits_walked} commits walked, {r.commits_checked} checked in "
+             f"{r.seconds:.2f} s ({r.fetch_seconds:.2f} s fetching)"
+             + (f"; note: {r.note}" if r.note else "") for r in reports]
+    kit.emit(ctx, command="patch check --bisect", status="ok" if ok else "failed",
+             data={"ok": ok, "targets": [r.as_dict() for r in reports], "log": str(log)},
+             table=_shown(ctx, table), lines=[*lines, f"log: {log}"])
     kit.exit_with(ExitCode.OK if ok else ExitCode.FAILED)
 
 
