@@ -266,6 +266,9 @@ class Serve(Strict):
     )
     python: str = "python3"
     host: str = "0.0.0.0"
+    api_key_file: str | None = Field(
+        None, description="file holding sglang's --api-key (the key itself is never stored); "
+        "--api-key-file overrides it")
     port: int = Field(8020, gt=0, lt=65536)
     device_type: str = "npu"
     attention_backend: str = "ascend"

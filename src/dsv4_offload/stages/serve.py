@@ -69,7 +69,7 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
         rest = script_env.get("LD_LIBRARY_PATH", base.get("LD_LIBRARY_PATH", ""))
         script_env["LD_LIBRARY_PATH"] = ":".join(p for p in (kml, rest) if p)
     python, python_origin, python_note = _python(ctx, strict)
-    api_key_file = ctx.option("api_key_file")
+    api_key_file = ctx.option("api_key_file") or serve.api_key_file
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
                       device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
                       gpu_experts=gpu_experts, mem_fraction=mem_fraction,
