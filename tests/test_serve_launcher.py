@@ -426,6 +426,9 @@ def test_api_key_reaches_sglang_only(tmp_path: Path, no_leftovers):
                 assert secret not in path.read_text(errors="replace"), path
         log = Path(record.log).read_text()
         assert "api_key='***'" in log  # the server printed it; the log masks it
+        # the warm-up ran before the launch and is recorded (the stand-in's files are empty)
+        state = json.loads(ws.state_file.read_text())
+        assert state["stages"]["serve"]["outputs"]["page_cache"]["files"] == 43
     finally:
         run_cli("--workspace", str(ws.root), *sets, "serve", "stop", env=env)
 
