@@ -491,9 +491,13 @@ def _construct_mapping(loader: _LineLoader, node: yaml.MappingNode) -> dict[Any,
 
 
 class _Located(dict):  # type: ignore[type-arg]
-    """A dict that knows the YAML line of each of its keys."""
+    """A dict that knows where each of its keys stands: (file, line).
 
-    def __init__(self, data: dict[Any, Any], lines: dict[Any, Any], line: int) -> None:
+    The loader records bare line numbers; ``_stamp`` adds the file once it is known, so a
+    recipe merged from several files (``extends:``) still points each error at its own file.
+    """
+
+    def __init__(self, data: dict[Any, Any], lines: dict[Any, Any], line: Any) -> None:
         super().__init__(data)
         self.lines = lines
         self.line = line
@@ -502,8 +506,11 @@ class _Located(dict):  # type: ignore[type-arg]
 _LineLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
 
 
-def _line_of(doc: Any, loc: tuple[Any, ...]) -> int | None:
-    """The YAML line of a pydantic error location, as deep as the document allows."""
+def _line_of(doc: Any, loc: tuple[Any, ...]) -> Any:
+    """Where a pydantic error location stands, as deep as the document allows.
+
+    A (file, line) pair for stamped documents, else a bare line number (or None).
+    """
     line = getattr(doc, "line", None)
     node, parent, parent_key = doc, None, None
     for part in loc:
@@ -520,6 +527,31 @@ def _line_of(doc: Any, loc: tuple[Any, ...]) -> int | None:
         else:
             break
     return line
+
+
+def _where(path: str, at: Any) -> str:
+    """`file:line` for an error: the stamped file if there is one, else `path`."""
+    if isinstance(at, tuple):
+        path, at = at
+    return f"{path}:{at}" if at else path
+
+
+def _stamp(doc: Any, file: str) -> Any:
+    """Turn every bare line number of a freshly read document into (file, line)."""
+    if isinstance(doc, _Located):
+        for key, value in list(doc.lines.items()):
+            if isinstance(value, int):
+                doc.lines[key] = (file, value)
+            elif isinstance(value, list):
+                doc.lines[key] = [(file, v) if isinstance(v, int) else v for v in value]
+        if isinstance(doc.line, int):
+            doc.line = (file, doc.line)
+        for value in doc.values():
+            _stamp(value, file)
+    elif isinstance(doc, list):
+        for value in doc:
+            _stamp(value, file)
+    return doc
 
 
 def _format_loc(loc: tuple[Any, ...]) -> str:
@@ -541,19 +573,19 @@ def _first_error(path: str, doc: Any, exc: ValidationError,
     err = exc.errors()[0]
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
     field = _format_loc(loc)
-    line = _line_of(doc, loc)
+    at = _line_of(doc, loc)
     dotted = ".".join(str(p) for p in loc)
     for item in overrides or []:
         key = item.split("=", 1)[0].strip()
         if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") and dotted:
             path = f"--set {key} (over {path})"
-            line = None
+            at = None
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
         msg = "unknown key; remove it or check its spelling against docs/recipe-reference.md"
     elif err["type"] == "missing":
         msg = "required field is missing; add it"
-    where = f"{path}:{line}" if line else path
+    where = _where(path, at)
     more = len(exc.errors()) - 1
     suffix = f" (+{more} more)" if more else ""
     return InputError(f"{where}: {field}: {msg}{suffix}")
@@ -578,7 +610,7 @@ def _read_yaml(path: Path) -> Any:
     if not isinstance(doc, dict):
         kind = type(doc).__name__
         raise InputError(f"{path}: the document must be a mapping of keys, not {kind}")
-    return doc
+    return _stamp(doc, str(path))
 
 
 def _plain(doc: Any) -> Any:
@@ -643,16 +675,137 @@ def apply_overrides(doc: dict[str, Any], overrides: list[str], path: str) -> dic
     return doc
 
 
+# --- inheritance ---------------------------------------------------------------------------
+#
+# A recipe may say `extends: <bundled name or file>` and state only what differs. Mappings
+# merge key by key; a list whose items all carry a `name` (sources, build steps, probes) merges
+# item by item on that name: a known name merges into its item, a new one is appended (or put
+# where `insert_before:`/`insert_after:` says), `remove: true` drops it. Any other value,
+# `null` included, replaces the base's. The merged document is validated as a whole, and each
+# error names the file and line its offending key came from.
+
+_EXTENDS_DEPTH = 8
+_LIST_DIRECTIVES = ("remove", "insert_before", "insert_after")
+
+
+def _named_items(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(v, dict) and isinstance(v.get("name"), str) for v in value
+    )
+
+
+def _merge_named(base: list[Any], base_at: list[Any], over: list[Any], over_at: list[Any],
+                 where: str) -> tuple[list[Any], list[Any]]:
+    items = list(zip(base, base_at, strict=False))
+    for item, at in zip(over, over_at, strict=False):
+        name = item["name"]
+        here = _where(where, at)
+        index = next((i for i, (b, _) in enumerate(items) if b["name"] == name), None)
+        directives = {k: item[k] for k in _LIST_DIRECTIVES if k in item}
+        body = _Located({k: v for k, v in item.items() if k not in _LIST_DIRECTIVES},
+                        item.lines, item.line)
+        if directives.get("remove"):
+            if index is None:
+                raise InputError(f"{here}: remove: '{name}' is not an item of the base recipe; "
+                                 "check the name")
+            del items[index]
+            continue
+        if index is not None:
+            items[index] = (_merge(items[index][0], body, where), items[index][1])
+            if not ({"insert_before", "insert_after"} & directives.keys()):
+                continue
+            body = items.pop(index)[0]
+        anchor = directives.get("insert_before") or directives.get("insert_after")
+        if anchor is None:
+            items.append((body, at))
+            continue
+        pos = next((i for i, (b, _) in enumerate(items) if b["name"] == anchor), None)
+        if pos is None:
+            raise InputError(f"{here}: insert_before/insert_after: '{anchor}' is not an item "
+                             "of the list; name an existing item")
+        items.insert(pos if "insert_before" in directives else pos + 1, (body, at))
+    return [i for i, _ in items], [a for _, a in items]
+
+
+def _merge(base: Any, over: Any, where: str) -> Any:
+    """`over` laid on `base` (see the rules above); both keep their (file, line) marks."""
+    if not (isinstance(base, _Located) and isinstance(over, _Located)):
+        return over
+    out = _Located(dict(base), dict(base.lines), over.line)
+    for key, value in over.items():
+        out.lines[key] = over.lines.get(key)
+        items = (key, "items")
+        if key in base and _named_items(base[key]) and _named_items(value):
+            merged, at = _merge_named(base[key], base.lines.get(items) or [],
+                                      value, over.lines.get(items) or [], where)
+            out[key], out.lines[items] = merged, at
+        else:
+            out[key] = _merge(base[key], value, where) if key in base else value
+            if items in over.lines:
+                out.lines[items] = over.lines[items]
+            else:
+                out.lines.pop(items, None)
+    return out
+
+
+def _base_path(spec: Any, child: Path, at: Any) -> Path:
+    if not isinstance(spec, str) or not spec.strip():
+        raise InputError(f"{_where(str(child), at)}: extends: expected a bundled recipe name "
+                         "or a YAML file path")
+    candidate = Path(spec)
+    if candidate.suffix in (".yaml", ".yml") or "/" in spec:
+        return candidate if candidate.is_absolute() else child.parent / candidate
+    bundled = BUNDLED_RECIPES / f"{spec}.yaml"
+    if not bundled.exists():
+        names = ", ".join(bundled_recipe_names())
+        raise InputError(f"{_where(str(child), at)}: extends: '{spec}' is not a bundled recipe; "
+                         f"use one of: {names}, or a file path")
+    return bundled
+
+
+def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> tuple[Any, list[Path]]:
+    """The recipe document at `path` with its `extends:` chain merged in, and the chain."""
+    doc = _read_yaml(path)
+    spec = doc.get("series")
+    is_path = isinstance(spec, str) and (spec.endswith((".yaml", ".yml")) or "/" in spec)
+    if seen and is_path and not Path(spec).is_absolute():
+        # a base's series path is relative to the base's file, not to the recipe extending it
+        doc["series"] = str(path.parent / spec)
+    if "extends" not in doc:
+        return doc, [path]
+    at = doc.lines.get("extends")
+    base_path = _base_path(doc["extends"], path, at)
+    if base_path.resolve() in seen or base_path.resolve() == path.resolve():
+        raise InputError(f"{_where(str(path), at)}: extends: '{doc['extends']}' leads back to "
+                         "itself; break the cycle")
+    if len(seen) >= _EXTENDS_DEPTH:
+        raise InputError(f"{_where(str(path), at)}: extends: more than {_EXTENDS_DEPTH} levels; "
+                         "flatten the chain")
+    if "name" not in doc:
+        raise InputError(f"{_where(str(path), doc.line)}: name: a recipe that extends another "
+                         "must name itself; add `name:`")
+    base, chain = _read_recipe(base_path, (*seen, path.resolve()))
+    del doc["extends"]
+    doc.lines.pop("extends", None)
+    return _merge(base, doc, str(path)), [path, *chain]
+
+
 def load_recipe(spec: str | None = None, overrides: list[str] | None = None) -> Recipe:
     path = resolve_recipe_path(spec)
-    located = _read_yaml(path)
+    located, chain = _read_recipe(path)
     doc = apply_overrides(located, overrides, str(path)) if overrides else located
     try:
         recipe = Recipe.model_validate(_plain(doc))
     except ValidationError as exc:
         raise _first_error(str(path), located, exc, overrides or []) from None
     object.__setattr__(recipe, "_path", path)
+    object.__setattr__(recipe, "_chain", tuple(chain))
     return recipe
+
+
+def recipe_chain(recipe: Recipe) -> tuple[Path, ...]:
+    """The files a recipe was read from: its own first, then what it extends, in order."""
+    return getattr(recipe, "_chain", ())
 
 
 def recipe_path(recipe: Recipe) -> Path | None:
@@ -677,12 +830,10 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
     if recipe is not None:
         names = [s.name for s in recipe.sources]
         for i, patch in enumerate(series.patches):
-            line = _line_of(doc, ("patches", i))
-            where = f"{path}:{line}" if line else str(path)
+            where = _where(str(path), _line_of(doc, ("patches", i)))
             for field, ref in (("target", patch.target), ("origin.source", patch.origin.source)):
                 if ref is not None and ref not in names:
-                    line = _line_of(doc, ("patches", i, *field.split(".")))
-                    where = f"{path}:{line}" if line else str(path)
+                    where = _where(str(path), _line_of(doc, ("patches", i, *field.split("."))))
                     raise InputError(
                         f"{where}: patches[{i}].{field}: '{ref}' is not a source of recipe "
                         f"'{recipe.name}'; use one of {names}"
