@@ -452,3 +452,14 @@ def test_bad_api_key_file_and_open_bind_warning(ws: Workspace, tmp_path: Path):
     keyed = build_plan(load_recipe(), facts, ws, base_env={}, toolkit=TOOLKIT, api_key_file=one)
     assert keyed.argv[keyed.argv.index("--api-key") + 1] == API_KEY_PLACEHOLDER
     assert "k3y" not in json.dumps(keyed.as_dict()) and keyed.warnings == []
+
+
+def test_host_probe_finds_cann_where_the_launcher_searches(tmp_path: Path):
+    from dsv4_offload.host import _probe_cann
+
+    info = tmp_path / "home/u/Ascend/cann-9.0.0/aarch64-linux/ascend_toolkit_install.info"
+    info.parent.mkdir(parents=True)
+    info.write_text("version=9.0.0\n")
+    # $HOME/Ascend/cann-* and /home/*/Ascend/cann-* (launch_ds4flash_npu.sh L143-144)
+    assert _probe_cann(tmp_path, {"HOME": "/home/u"}) == ("9.0.0", "/home/u/Ascend/cann-9.0.0")
+    assert _probe_cann(tmp_path, {}) == ("9.0.0", "/home/u/Ascend/cann-9.0.0")
