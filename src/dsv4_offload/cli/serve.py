@@ -128,9 +128,16 @@ def serve_status(ctx: typer.Context) -> None:
     data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
     healthy = False
     if alive and record is not None:
+        from dsv4_offload.errors import InputError
+        from dsv4_offload.probes import api_key_headers
+
+        try:
+            headers = api_key_headers((record.extra or {}).get("api_key_file"))
+        except InputError:
+            headers = {}  # the key file is gone: ask without it
         try:
             path = sctx.recipe.serve.health_paths[0]
-            healthy = requests.get(record.url + path, timeout=5,
+            healthy = requests.get(record.url + path, timeout=5, headers=headers,
                                    proxies={"http": "", "https": ""}).status_code == 200
         except requests.RequestException:
             healthy = False

@@ -256,8 +256,9 @@ def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         # the key itself never enters the spec: the supervisor reads the file at exec time
         spec = {"argv": plan.argv, "env": plan.env, "log": str(log), "record": str(ws.serve_record),
                 "url": plan.url, "stop_timeout_s": serve.stop_timeout_s,
-                "kt_num_gpu_experts": experts, "extra": {"derived": plan.derived},
-                "api_key_file": plan.api_key_file}
+                "kt_num_gpu_experts": experts, "api_key_file": plan.api_key_file,
+                # the file's path (not the key) lets `serve status` and `accept` authenticate
+                "extra": {"derived": plan.derived, "api_key_file": plan.api_key_file}}
         pid = sv.spawn_detached(spec, ws.serve_spec, ws.serve_supervisor_log)
         exit_code = _detached_exit(ws.serve_record, pid)
         with sv.detached_guard(pid):
