@@ -183,6 +183,7 @@ def test_serve_print_shows_the_launcher_line_and_an_exported_knob_with_its_origi
     assert "--kt-cpuinfer 48  [environment (KT_CPUINFER, launcher L126)]" in exported.out
     assert f"--kt-threadpool-count {pools}  [host" in exported.out
     assert "KT_MXFP4_DEPOOL=1  [recipe]" in exported.out
+    assert "# warning: the server binds 0.0.0.0 with no API key" in exported.out
     assert "--kt-cpuinfer 48 \\" in exported.out  # the command itself
 
 
@@ -466,3 +467,20 @@ def test_host_probe_finds_cann_where_the_launcher_searches(tmp_path: Path):
     # $HOME/Ascend/cann-* and /home/*/Ascend/cann-* (launch_ds4flash_npu.sh L143-144)
     assert _probe_cann(tmp_path, {"HOME": "/home/u"}) == ("9.0.0", "/home/u/Ascend/cann-9.0.0")
     assert _probe_cann(tmp_path, {}) == ("9.0.0", "/home/u/Ascend/cann-9.0.0")
+
+
+@pytest.mark.parametrize("line", [
+    # kt-kernel (ktransformers d7b5b49) operators/llamafile/moe.hpp L208
+    "  what():  intermediate_size * hidden_size must be a multiple of up_type blck size",
+    # upstream sglang ModelConfig._verify_quantization (the W8A8 config vs --quantization)
+    "ValueError: Quantization method specified in the model config (compressed-tensors) does "
+    "not match the quantization method specified in the `quantization` argument (w8a8_int8).",
+])
+def test_quant_type_mismatch_names_the_guides_fix_first(line: str):
+    from dsv4_offload.supervisor import match_fatal
+
+    fatal = match_fatal(line)
+    assert fatal is not None and fatal.key == "quant-type"
+    # guide appendix G: "启动报量化类型不匹配 | sglang 未固定在 298193eb3 | 重新 checkout 基线 SHA"
+    assert fatal.fix.startswith("sglang is probably not at its pinned commit 298193eb3")
+    assert "verify-gguf" in fatal.fix

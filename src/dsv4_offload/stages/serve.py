@@ -153,10 +153,10 @@ def run(ctx: StageContext) -> StageResult:
         assert existing is not None
         return _already_running(ctx, existing, facts)
 
-    warmth = _warm_page_cache(ctx, facts)
     attempts: list[dict[str, Any]] = []
     first, remembered = _first_rung(ctx)
-    plan = make_plan(ctx, first, facts)
+    plan = make_plan(ctx, first, facts)  # validates first: no warm-up for a plan that fails
+    warmth = _warm_page_cache(ctx, facts)
     while True:
         experts = int(plan.derived["kt_num_gpu_experts"])
         fraction = float(plan.derived["mem_fraction_static"])
