@@ -47,6 +47,18 @@ def standin_overrides(tag: str, port: int, *args: str, timeout: float = 20) -> l
             "acceptance.throughput.new_tokens=16", "acceptance.throughput.repeats=2"]
 
 
+def make_op(ws: Workspace) -> Path:
+    """The two files of the AscendC operator where serve points KT_MXFP4_OP_DIR (the build
+    step's directory); empty, since serve only checks that they exist."""
+    from dsv4_offload.serveplan import OP_FILES, op_dir
+
+    directory, _ = op_dir(ws, load_recipe(), {})
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in OP_FILES:
+        (directory / name).touch()
+    return directory
+
+
 def make_workspace(root: Path) -> Workspace:
     """A workspace whose GGUF layer files exist (empty: serve only checks their presence)."""
     ws = Workspace(root)

@@ -101,7 +101,18 @@ class Handler(BaseHTTPRequestHandler):
         return (self.st.args.mode == "slow-start"
                 and time.monotonic() - self.st.started < self.st.args.start_delay)
 
+    def _denied(self) -> bool:
+        """With --api-key every path wants `Authorization: Bearer KEY` (stricter than sglang
+        may be for /health, so serve's readiness check must send it too)."""
+        key = self.st.args.api_key
+        if key and self.headers.get("Authorization") != f"Bearer {key}":
+            self._json(401, {"error": "Unauthorized"})
+            return True
+        return False
+
     def do_GET(self) -> None:
+        if self._denied():
+            return
         if self.path in ("/health", "/health_generate", "/v1/models"):
             if self._loading():
                 self._json(503, {"error": "loading"})
@@ -116,6 +127,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         length = int(self.headers.get("Content-Length") or 0)
+        if self._denied():
+            self.rfile.read(length)
+            return
         try:
             body = json.loads(self.rfile.read(length) or b"{}")
         except ValueError:
@@ -198,7 +212,11 @@ def main() -> int:
     parser.add_argument("--kt-num-gpu-experts", type=int, default=32)
     parser.add_argument("--token-delay", type=float, default=0.002)
     parser.add_argument("--exit-after-fatal", action="store_true")
+    parser.add_argument("--api-key", default=None)
     args, _sglang_flags = parser.parse_known_args()
+    # sglang logs its whole ServerArgs at start-up, the api key among them
+    print(f"server_args=ServerArgs(host={args.host!r}, port={args.port}, "
+          f"api_key={args.api_key!r})", flush=True)
     print(f"[standin] mode={args.mode} experts={args.kt_num_gpu_experts} pid={os.getpid()}",
           flush=True)
     if args.mode == "fatal" or (args.mode == "kv-ladder"

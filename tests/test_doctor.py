@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -33,8 +34,12 @@ def use_host(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
 
 
+# the host verdicts below bind loopback; the default 0.0.0.0 bind warning has its own test
+LOOPBACK = ["serve.host=127.0.0.1"]
+
+
 def context(tmp_path: Path, recipe_name: str = RECIPE_910B, **options: object) -> StageContext:
-    recipe, series = load_recipe_and_series(recipe_name)
+    recipe, series = load_recipe_and_series(recipe_name, LOOPBACK)
     return StageContext(recipe=recipe, series=series, workspace=Workspace(tmp_path / "ws"),
                         options=dict(options), stage="doctor")
 
@@ -66,6 +71,7 @@ def test_healthy_kunpeng_910b_passes_on_the_idle_npu(monkeypatch: pytest.MonkeyP
                                                      tmp_path: Path) -> None:
     result, checks = run_on(monkeypatch, tmp_path, "kunpeng920-910b")
     assert result.status is Status.OK, result.problems
+    assert checks.pop("python")["status"] == "skip"  # only the live host's pythons are probed
     assert set(statuses(checks).values()) == {"ok"}
     assert result.problems == []
     assert result.data["device"] == 7
@@ -95,7 +101,7 @@ def test_a3_host_warns_about_sve_and_passes_the_rest(monkeypatch: pytest.MonkeyP
     assert "sve" in checks["cpu-build-off"]["observed"]
     assert "CPUINFER_ARM_SVE" in checks["cpu-build-off"]["fix"]
     assert "llamafile not supported" in checks["cpu-build-off"]["fix"]
-    others = {n: s for n, s in statuses(checks).items() if n != "cpu-build-off"}
+    others = {n: s for n, s in statuses(checks).items() if n not in ("cpu-build-off", "python")}
     assert set(others.values()) == {"ok"}, others
     assert checks["gcc-13"]["observed"] == "13.2.0"  # the A3 recipe's compiler, not gcc 10
     assert result.data["device"] == 3  # an idle die, by its device id
@@ -127,7 +133,8 @@ def test_x86_without_npu_fails_on_arch_and_npu(monkeypatch: pytest.MonkeyPatch,
     assert checks["libhwloc"]["status"] == "fail" and "libhwloc-dev" in checks["libhwloc"]["fix"]
     assert checks["memory"]["status"] == "fail" and checks["disk"]["status"] == "fail"
     assert checks["docker"]["status"] == "warn"  # recommended, absent
-    assert result.summary.startswith(f"{len(result.problems) - 1} check(s) failed: arch")
+    assert checks["page-cache"]["status"] == "warn"  # the GGUF set cannot be cached
+    assert result.summary.startswith(f"{len(result.problems) - 2} check(s) failed: arch")
     assert checks["git"]["status"] == "ok"
 
 
@@ -321,3 +328,29 @@ def test_x86_dev_recipe_checks_the_build_needs_and_nothing_of_the_npu(
     assert checks["py-setuptools"]["status"] == "fail"
     assert "-m pip install 'setuptools>=77'" in checks["py-setuptools"]["fix"]
     assert checks["hwloc.pc"]["fix"].startswith("apt-get install libhwloc-dev")
+
+
+def test_open_bind_without_a_key_and_a_small_page_cache_are_warnings(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    facts = facts_of("kunpeng920-910b", recipe)
+    checks = {c.name: c for c in doctor.evaluate(recipe, facts)[0]}
+    assert checks["serve-bind"].status == "warn"  # the delivery's 0.0.0.0, no key
+    assert "--api-key-file" in checks["serve-bind"].fix
+    assert checks["page-cache"].status == "ok"
+    keyed, _ = load_recipe_and_series(RECIPE_910B, ["serve.api_key_file=/etc/dsv4/key"])
+    assert {c.name: c for c in doctor.evaluate(keyed, facts)[0]}["serve-bind"].status == "ok"
+    from dataclasses import replace
+
+    small = replace(facts, mem_available_kib=100 * 1024**2)  # 100 GiB < the 137 GiB set
+    page = {c.name: c for c in doctor.evaluate(recipe, small)[0]}["page-cache"]
+    assert page.status == "warn" and "137 GiB" in page.required and "page cache" in page.fix
+
+
+def test_doctor_says_which_python_and_why(monkeypatch: pytest.MonkeyPatch,
+                                          tmp_path: Path) -> None:
+    monkeypatch.setenv("PYTHON_BIN", sys.executable)
+    monkeypatch.delenv("DSV4_HOST_ROOT", raising=False)
+    result = doctor.run(context(tmp_path))
+    check = {c["name"]: c for c in result.data["checks"]}["python"]
+    assert check["status"] == "ok"
+    assert check["observed"].startswith(f"{sys.executable} (PYTHON_BIN:")

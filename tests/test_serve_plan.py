@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from serve_helpers import make_op
 
 from dsv4_offload.errors import Dsv4Error, InputError
 from dsv4_offload.host import HostFacts, NpuInfo, probe_host
@@ -62,6 +63,7 @@ def ws(tmp_path: Path) -> Workspace:
     gguf.mkdir(parents=True)
     for layer in range(recipe.conversion.layers):
         (gguf / recipe.conversion.file_name(layer)).touch()
+    make_op(workspace)
     return workspace
 
 
@@ -95,8 +97,9 @@ def test_captured_kunpeng_fixture_host_gives_the_same_line(ws: Workspace):
     (8, 192, 8, 128),   # Kunpeng-920 910B host: 16 per node, never all cores
     (4, 96, 4, 64),
     (4, 40, 4, 36),     # capped below the core count (4 reserved), equal per pool
-    (1, 40, 1, 16),     # A3-style single node
+    (1, 40, 1, 32),     # A3-style single node: the launcher's 32 (L126)
     (1, 16, 1, 12),
+    (2, 64, 2, 32),     # 16 per node would be fewer than the launcher's 32
 ])
 def test_threadpool_is_numa_nodes_and_cpuinfer_is_capped(numa, cores, pools, threads):
     serve = load_recipe().serve
@@ -177,9 +180,11 @@ def test_fixed_exports_checkpoints_and_proxies(ws: Workspace):
     assert "http_proxy" not in plan.env and "HTTPS_PROXY" not in plan.env
     assert plan.env_unset == ["HTTPS_PROXY", "http_proxy"]
     assert plan.env["PATH"] == "/usr/bin"
-    for key in ("TASK_QUEUE_ENABLE", "STREAMS_PER_DEVICE", "PYTORCH_NPU_ALLOC_CONF",
-                "IS_DEEPSEEK_V4"):
+    for key in ("STREAMS_PER_DEVICE", "PYTORCH_NPU_ALLOC_CONF", "IS_DEEPSEEK_V4"):
         assert plan.env[key] == recipe.serve.env[key]
+    # an exported launcher knob wins over the recipe, as `${X:-default}` does (L191)
+    assert plan.env["TASK_QUEUE_ENABLE"] == "0"
+    assert plan.origins["TASK_QUEUE_ENABLE"].startswith("environment")
     assert plan.env["KT_PREFILL_STREAM_CKPT"] == str(ws.weights_dir(recipe, "w8a8"))
     # the launcher derives the MXFP4 checkpoint by dropping "-W8A8"
     assert plan.env["KT_MXFP4_CKPT"] == str(ws.weights_dir(recipe, "w8a8")).removesuffix("-W8A8")
@@ -261,12 +266,17 @@ def test_script_form_round_trips_to_the_same_argv(ws: Workspace):
     assert shlex.split(command.replace("\\\n", " ")) == plan.argv
 
 
-def test_server_env_puts_the_built_checkouts_on_pythonpath(ws: Workspace):
+def test_server_pythonpath_is_the_launchers_order_then_the_inherited_one(ws: Workspace):
     recipe = load_recipe()
     plan = build_plan(recipe, host(), ws, base_env={"PYTHONPATH": "/site/extra"})
     parts = plan.env["PYTHONPATH"].split(os.pathsep)
-    assert parts == [str(ws.root / "src/ktransformers/kt-kernel"),
-                     str(ws.root / "src/ktransformers/third_party/sglang/python"), "/site/extra"]
+    # ensure_kt_kernel.sh L24 prepends sglang/python:kt-kernel, then launch_ds4flash_npu.sh
+    # L46 prepends sglang/python:kt-kernel/python (REPO = the ktransformers tree)
+    repo = ws.root / "src/ktransformers"
+    assert parts == [str(repo / "third_party/sglang/python"), str(repo / "kt-kernel/python"),
+                     str(repo / "third_party/sglang/python"), str(repo / "kt-kernel"),
+                     "/site/extra"]
+    assert plan.origins["PYTHONPATH"].startswith("workspace")
 
 
 def test_serve_and_doctor_pick_the_same_card():

@@ -417,6 +417,12 @@ def _probe_npu_smi(command: list[str] | None, search: str, env: Mapping[str, str
 def _probe_cann(root: Path, env: Mapping[str, str]) -> tuple[str | None, str | None]:
     candidates = [env[k] for k in ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH") if env.get(k)]
     candidates += list(CANN_TOOLKIT_CANDIDATES)
+    # and the delivery launcher's user-home layouts (launch_ds4flash_npu.sh L141-144)
+    home = env.get("HOME")
+    patterns = [f"{home}/Ascend/ascend-toolkit/latest", f"{home}/Ascend/cann-*"] if home else []
+    for pattern in [*patterns, "/home/*/Ascend/cann-*"]:
+        found = sorted(_under(root, "/").glob(pattern.lstrip("/")))
+        candidates += ["/" + str(p.relative_to(root)) for p in found]
     for toolkit in candidates:
         base = _under(root, toolkit)
         infos = [base / CANN_INSTALL_INFO, *sorted(base.glob(f"*/{CANN_INSTALL_INFO}"))]

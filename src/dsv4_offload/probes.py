@@ -33,6 +33,19 @@ _FILLER = (
 )
 
 
+def api_key_headers(api_key_file: str | Path | None) -> dict[str, str]:
+    """The Authorization header for a server started with ``serve --api-key-file FILE``.
+
+    sglang checks ``Authorization: Bearer <key>``; the key is read from the file on each call
+    and lives only in the returned dict (never in reports, records or logs).
+    """
+    if not api_key_file:
+        return {}
+    from dsv4_offload.serveplan import read_api_key
+
+    return {"Authorization": f"Bearer {read_api_key(Path(api_key_file))}"}
+
+
 class ServerUnreachable(Exception):
     """The server did not answer (refused, reset, timed out); later requests are pointless."""
 

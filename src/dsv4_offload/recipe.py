@@ -272,6 +272,9 @@ class Serve(Strict):
     )
     python: str = "python3"
     host: str = "0.0.0.0"
+    api_key_file: str | None = Field(
+        None, description="file holding sglang's --api-key (the key itself is never stored); "
+        "--api-key-file overrides it")
     port: int = Field(8020, gt=0, lt=65536)
     device_type: str = "npu"
     attention_backend: str = "ascend"
@@ -290,8 +293,18 @@ class Serve(Strict):
     )
     page_size: int = Field(128, gt=0)
     mem_fraction_static: float = Field(0.81, gt=0, lt=1)
+    mem_fraction_floor: float = Field(
+        0.81, gt=0, lt=1, description="lowest usable fraction: below it the KV pool holds less "
+        "than the context length (guide appendix G.1)")
+    mem_fraction_ladder: list[float] = Field(
+        [0.85, 0.83, 0.82, 0.81], description="fractions an HBM retry steps down through, to the "
+        "floor, before it lowers the resident experts (guide appendix G.1)")
     kt_num_gpu_experts: int = Field(32, ge=0)
+    kt_num_gpu_experts_max: int = Field(
+        40, ge=0, description="measured ceiling at context 65536 (launcher L299-300)")
     gpu_experts_ladder: list[int] = [32, 24, 16]
+    cpuinfer_default: int = Field(
+        32, gt=0, description="CPU-infer threads on a single-NUMA host (launcher L126)")
     threads_per_numa: int = Field(16, gt=0)
     chunked_prefill_size: int = Field(8192, gt=0)
     longest_prompt_tokens: int = Field(2577, gt=0)
@@ -309,6 +322,12 @@ class Serve(Strict):
 
     @model_validator(mode="after")
     def _prefill_rules(self) -> Serve:
+        if self.kt_num_gpu_experts > self.kt_num_gpu_experts_max:
+            raise ValueError(
+                f"kt_num_gpu_experts {self.kt_num_gpu_experts} is above the measured ceiling "
+                f"kt_num_gpu_experts_max {self.kt_num_gpu_experts_max} (launcher L299-300: about "
+                "1 GB of HBM each); use 40 or fewer"
+            )
         if self.chunked_prefill_size % self.page_size:
             raise ValueError(
                 f"chunked_prefill_size {self.chunked_prefill_size} must be a positive multiple "

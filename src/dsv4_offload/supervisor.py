@@ -94,13 +94,18 @@ FATAL_PATTERNS: tuple[FatalPattern, ...] = (
     ),
     FatalPattern(
         "quant-type",
-        # kt-kernel's MoE checks the block size of each projection's ggml type
+        # kt-kernel (ktransformers d7b5b49) operators/llamafile/moe.hpp L203, L208, L213: the
+        # GGUF's ggml type does not fit the layer shapes; upstream sglang's ModelConfig
+        # ._verify_quantization: the W8A8 config and --quantization disagree (the pinned fork's
+        # own text is not readable here, only its patches are)
         re.compile(r"must be a multiple of (gate|up|down)_type blck size"
-                   r"|(quant(ization)?[ _-]?type|ggml[ _]type|gguf type).{0,80}"
-                   r"(mismatch|does not match|unsupported|expected)", re.I),
-        "the GGUF tensors' quant type is not what kt-kernel expects (MXFP4, ggml type 39)",
-        "regenerate the GGUF with `dsv4-offload convert --force` and check it with "
-        "`dsv4-offload verify-gguf`",
+                   r"|Quantization method specified in the model config \(.*\) does not match "
+                   r"the quantization method specified in the .quantization. argument"),
+        "quantization type mismatch at load time",
+        "sglang is probably not at its pinned commit 298193eb3 (guide appendix G): check "
+        "`dsv4-offload status`, re-fetch with `dsv4-offload fetch` and re-apply with "
+        "`dsv4-offload patch`; if sglang is right, regenerate the GGUF with `dsv4-offload "
+        "convert --force` and check it with `dsv4-offload verify-gguf`",
     ),
 )
 
@@ -211,17 +216,26 @@ class ServerProcess:
     log: Path
     cwd: Path | None = None
     on_line: Callable[[str], None] | None = None
+    # sglang's --api-key: read here, put into the exec'd argv only, masked in the log
+    api_key_file: str | None = None
     proc: subprocess.Popen[bytes] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     _pump: threading.Thread | None = None
+    _secret: str | None = None
 
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        argv = list(self.argv)
+        if self.api_key_file:
+            from dsv4_offload.serveplan import API_KEY_PLACEHOLDER, read_api_key
+
+            self._secret = read_api_key(Path(self.api_key_file))
+            argv = [self._secret if a == API_KEY_PLACEHOLDER else a for a in argv]
         with open(self.log, "a", encoding="utf-8") as fh:
             fh.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} $ {' '.join(self.argv)}\n")
         try:
             self.proc = subprocess.Popen(
-                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                 preexec_fn=_raise_nofile,
             )
@@ -238,6 +252,9 @@ class ServerProcess:
         with open(self.log, "a", encoding="utf-8", errors="replace") as fh:
             for raw in self.proc.stdout:
                 line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                if self._secret:
+                    # sglang prints its server_args (api_key included) at start-up
+                    line = line.replace(self._secret, "***")
                 fh.write(line + "\n")
                 fh.flush()
                 self.tail.append(line)
@@ -316,12 +333,17 @@ def _size(path: Path) -> int:
 
 def wait_ready(url: str, health_paths: list[str], timeout: float, *, follower: LogFollower,
                exit_code: Callable[[], int | None], poll_s: float = 0.5,
-               on_wait: Callable[[float], None] | None = None) -> Readiness:
-    """Wait until every health path answers 200, in order; stop at once on exit or a fatal line."""
+               on_wait: Callable[[float], None] | None = None,
+               headers: dict[str, str] | None = None) -> Readiness:
+    """Wait until every health path answers 200, in order; stop at once on exit or a fatal line.
+
+    ``headers`` go with every request (the API key's Authorization, when one is set).
+    """
     import requests
 
     session = requests.Session()
     session.trust_env = False  # a proxy must never intercept a call to our own port
+    session.headers.update(headers or {})
     start = time.monotonic()
     passed = 0
     while True:
@@ -445,7 +467,8 @@ def supervise(spec: dict[str, Any]) -> int:
 
     record_path = Path(spec["record"])
     server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),
-                           cwd=Path(spec["cwd"]) if spec.get("cwd") else None)
+                           cwd=Path(spec["cwd"]) if spec.get("cwd") else None,
+                           api_key_file=spec.get("api_key_file"))
     stopping = threading.Event()
 
     def _on_signal(signum: int, _frame: Any) -> None:

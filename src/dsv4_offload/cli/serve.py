@@ -33,23 +33,43 @@ def serve(
     longest_prompt: int | None = typer.Option(
         None, "--longest-prompt", metavar="TOKENS",
         help="Longest prompt you will send; the chunked prefill is raised to cover it."),
+    python: str | None = typer.Option(
+        None, "--python", metavar="PATH", help="Interpreter to serve with (default: PYTHON_BIN, "
+        "the workspace's recorded one, else the first that imports numpy torch torch_npu "
+        "sglang)."),
+    api_key_file: str | None = typer.Option(
+        None, "--api-key-file", metavar="FILE", help="Pass the key in FILE as sglang's "
+        "--api-key (never printed, logged or stored)."),
+    warm: bool = typer.Option(True, "--warm/--no-warm", help="Read the GGUF set into the page "
+                              "cache before loading, when memory can hold it."),
 ) -> None:
     """Start the hybrid server, supervised, and wait until it answers.
 
-    1. Derive flags and env from the recipe and this host: threadpool = NUMA nodes,
-       CPU-infer threads = 16 per node below the core count, chunked prefill >= the
-       longest prompt, KT_NSA_COMPRESSOR_MODE from CANN, the card from --device or the
-       idlest healthy NPU, the CANN set_env scripts' environment, proxies removed.
-    2. Start it as a child in its own process group, its log under logs/serve/; with
+    1. Derive flags and env as the delivery's launcher does: a launcher knob you exported
+       (KT_*, CHUNKED_PREFILL_SIZE, KT_CPUINFER, MEM_FRACTION, ...) wins over the recipe;
+       threadpool = NUMA nodes, CPU-infer threads = 32, or 16 per node on multi-NUMA
+       hosts, below the core count; KT_NSA_COMPRESSOR_MODE from CANN; the card from
+       --device or the idlest healthy NPU; the CANN and ATB set_env scripts; proxies
+       removed. --print shows each value with its origin.
+    2. With KT_MXFP4_DEPOOL=1 refuse to start unless the AscendC operator is built
+       (KT_MXFP4_OP_DIR points sglang at it).
+    3. Warm the GGUF set into the page cache when MemAvailable can hold it.
+    4. Start it as a child in its own process group, its log under logs/serve/; with
        --detach a small supervisor holds it and the command returns once ready.
-    3. Ready = /health then /health_generate answer 200 within serve.readiness_timeout_s.
-       A known fatal log line stops the wait at once with its fix; a KV-cache or HBM
-       failure retries with fewer resident experts down serve.gpu_experts_ladder.
+    5. Ready = /health then /health_generate answer 200 within serve.readiness_timeout_s.
+       A known fatal log line stops the wait at once with its fix; an HBM failure lowers
+       --mem-fraction-static to its floor, then the resident experts
+       (serve.gpu_experts_ladder); a KV-cache failure lowers the experts.
     """
     if ctx.invoked_subcommand is not None:
         return
-    options: dict[str, Any] = {"detach": detach, "device": device,
-                               "longest_prompt": longest_prompt}
+    g = kit.options_of(ctx)
+    options: dict[str, Any] = {
+        "detach": detach, "device": device, "longest_prompt": longest_prompt,
+        "python": python, "api_key_file": api_key_file, "warm": warm,
+        # dotted keys of --set, so --print can tell them from the recipe's own values
+        "set_keys": [o.split("=", 1)[0].strip() for o in g.overrides],
+    }
     if print_only:
         _print_plan(ctx, options)
         return
@@ -85,8 +105,11 @@ def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
 
     sctx = kit.load_context(ctx, "serve", options)
     plan = serve_stage.make_plan(sctx, strict=False)
-    lines = [f"# {note}" for note in plan.notes]
+    lines = [f"# warning: {w}" for w in plan.warnings]
+    lines += [f"# {note}" for note in plan.notes]
     lines += [f"# {k}: {v}" for k, v in plan.derived.items() if k.endswith("_reason")]
+    lines += ["# every flag and variable, with its origin:"]
+    lines += [f"#   {line}" for line in plan.origin_lines()]
     lines += plan.script()
     kit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
                 lines=lines)
@@ -105,9 +128,16 @@ def serve_status(ctx: typer.Context) -> None:
     data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
     healthy = False
     if alive and record is not None:
+        from dsv4_offload.errors import InputError
+        from dsv4_offload.probes import api_key_headers
+
+        try:
+            headers = api_key_headers((record.extra or {}).get("api_key_file"))
+        except InputError:
+            headers = {}  # the key file is gone: ask without it
         try:
             path = sctx.recipe.serve.health_paths[0]
-            healthy = requests.get(record.url + path, timeout=5,
+            healthy = requests.get(record.url + path, timeout=5, headers=headers,
                                    proxies={"http": "", "https": ""}).status_code == 200
         except requests.RequestException:
             healthy = False

@@ -132,7 +132,10 @@ class StepReport:
 
 
 def build_python(ctx: StageContext) -> str:
-    return str(ctx.option("python") or ctx.recipe.build.python)
+    """The workspace's one interpreter (interpreter.chosen_python), else the recipe's."""
+    from dsv4_offload.interpreter import chosen_python
+
+    return chosen_python(ctx, fallback=ctx.recipe.build.python).path
 
 
 def runtime_pythonpath(workspace: Workspace, recipe: Recipe) -> list[Path]:

@@ -251,6 +251,53 @@ def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
     return checks
 
 
+def check_page_cache(recipe: Recipe, facts: HostFacts) -> Check:
+    """Can MemAvailable hold the GGUF set, so `serve` warms it and loads in 2-3.5 min?"""
+    conv = recipe.conversion
+    need = conv.layers * conv.expected_file_bytes / GIB
+    required = f"MemAvailable >= the GGUF set ({conv.layers} x {conv.expected_file_bytes:,} B " \
+               f"= {need:,.0f} GiB)"
+    if facts.mem_available_kib is None:
+        return Check("page-cache", SKIP, "MemAvailable unknown", required, "")
+    avail = facts.mem_available_kib / KIB_PER_GIB
+    if avail >= need:
+        return Check("page-cache", OK, f"{avail:,.0f} GiB available", required, "")
+    return Check("page-cache", WARN, f"{avail:,.0f} GiB available", required,
+                 "free memory before `serve`: it cannot warm the GGUF set into the page cache, "
+                 "so kt-kernel reads it from disk while loading (far beyond 2-3.5 min)")
+
+
+def check_serve_bind(recipe: Recipe) -> Check:
+    """The delivery binds 0.0.0.0 with no key; say so unless a key or loopback is set."""
+    from dsv4_offload.serveplan import is_loopback
+
+    serve = recipe.serve
+    required = "an API key (serve --api-key-file) or a loopback bind"
+    if is_loopback(serve.host) or serve.api_key_file or serve.command is not None:
+        how = "API key file set" if serve.api_key_file else serve.host
+        return Check("serve-bind", OK, how, required, "")
+    return Check("serve-bind", WARN, f"{serve.host}:{serve.port} with no API key", required,
+                 "start the server with `dsv4-offload serve --api-key-file FILE` (or --set "
+                 "serve.api_key_file=FILE), or bind loopback: --set serve.host=127.0.0.1")
+
+
+def check_python(ctx: StageContext, facts: HostFacts) -> Check:
+    """Which interpreter build, selftest and serve use, and why (python_env.sh's choice)."""
+    from dsv4_offload.errors import InputError
+    from dsv4_offload.interpreter import REQUIRED_MODULES, chosen_python
+
+    required = f"one python that imports {' '.join(REQUIRED_MODULES)}"
+    if facts.root != "/":
+        return Check("python", SKIP, f"host read from {facts.root}", required, "")
+    try:
+        choice = chosen_python(ctx, record=False)
+    except InputError as exc:
+        return Check("python", WARN, exc.one_line().split(";")[0], required,
+                     "set PYTHON_BIN (or --python) to the image's python 3.11 with torch and "
+                     "torch_npu; `build` falls back to the recipe's build.python until then")
+    return Check("python", OK, f"{choice.path} ({choice.source}: {choice.reason})", required, "")
+
+
 def _npu_list(npus: list[NpuInfo]) -> str:
     return ", ".join(str(n.device_id) for n in npus) or "none"
 
@@ -513,6 +560,9 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
         checks.append(check_cann(recipe, facts))
     checks += check_toolchain(recipe, facts)
     checks += check_cross(recipe, facts, binfmt)
+    if "serve" not in recipe.not_applicable:
+        checks.append(check_page_cache(recipe, facts))
+        checks.append(check_serve_bind(recipe))
     return checks, chosen
 
 
@@ -528,6 +578,8 @@ def run(ctx: StageContext) -> StageResult:
     ctx.options["host_facts"] = facts
     binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
     checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt)
+    if ctx.recipe.host.npu_models:  # the launcher's choice: a python with torch_npu and sglang
+        checks.append(check_python(ctx, facts))
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:

@@ -14,13 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload import supervisor as sv
-from dsv4_offload.errors import Dsv4Error
+from dsv4_offload.errors import Dsv4Error, InputError
 from dsv4_offload.serveplan import (
     ServePlan,
+    atb_set_env,
     build_plan,
     cann_scripts,
     capture_script_env,
     inherited_env,
+    toolkit_home,
 )
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 from dsv4_offload.workspace import atomic_write_json, now_iso, read_json
@@ -36,40 +38,97 @@ def host_facts(ctx: StageContext) -> Any:
 
 
 def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = None,
-              strict: bool = True) -> ServePlan:
+              strict: bool = True, mem_fraction: float | None = None) -> ServePlan:
     """The plan for this context: host facts, the CANN scripts' env, then the pure rules.
 
-    Not ``strict`` (for --print): a missing CANN toolkit becomes a note, not an error.
+    Not ``strict`` (for --print): a missing CANN toolkit, interpreter or operator becomes a
+    note, not an error.
     """
     facts = facts if facts is not None else host_facts(ctx)
     serve = ctx.recipe.serve
     base = inherited_env()
-    scripts = cann_scripts(serve, facts.cann_toolkit)
+    # the launcher's search first (env, ASCEND_HOME_PATH, four layouts), then the host probe's
+    toolkit, toolkit_how = toolkit_home(base)
+    toolkit_origin = f"host ({toolkit_how}, launcher L137-148)"
+    if toolkit is None and facts.cann_toolkit:
+        toolkit, toolkit_origin = facts.cann_toolkit, "host (CANN install info)"
+    scripts = cann_scripts(serve, toolkit, base)
     problem = None
     if scripts and not scripts[0].is_file():
         problem = (f"{scripts[0]}: CANN set_env script not found; install the CANN toolkit "
                    "or set ASCEND_TOOLKIT_HOME (see `dsv4-offload doctor`)")
     elif not scripts:
-        problem = ("no CANN toolkit found (ASCEND_TOOLKIT_HOME unset, no "
-                   "ascend_toolkit_install.info); install CANN or set ASCEND_TOOLKIT_HOME")
+        problem = (f"{toolkit_how}; install CANN, source its set_env.sh or export "
+                   "ASCEND_TOOLKIT_HOME=/path/to/Ascend/cann-9.0.0")
     if problem and strict and serve.command is None:
         raise Dsv4Error(problem)
     script_env = capture_script_env(scripts, base, cache_dir=ctx.workspace.run_dir)
-    if serve.kml_lib_dir and Path(serve.kml_lib_dir).is_dir():
-        # the launcher puts Kunpeng's math library first when the host has it
+    kml = base.get("KML_LIB_DIR") or serve.kml_lib_dir  # KML_LIB_DIR overrides (launcher L178)
+    if kml and Path(kml).is_dir():
+        # the launcher puts Kunpeng's math library first when the host has it (L178-179)
         rest = script_env.get("LD_LIBRARY_PATH", base.get("LD_LIBRARY_PATH", ""))
-        script_env["LD_LIBRARY_PATH"] = ":".join(p for p in (serve.kml_lib_dir, rest) if p)
+        script_env["LD_LIBRARY_PATH"] = ":".join(p for p in (kml, rest) if p)
+    python, python_origin, python_note = _python(ctx, strict)
+    api_key_file = ctx.option("api_key_file") or serve.api_key_file
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
                       device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
-                      gpu_experts=gpu_experts, require_layers=strict)
+                      gpu_experts=gpu_experts, mem_fraction=mem_fraction,
+                      require_layers=strict, python=python, python_origin=python_origin,
+                      toolkit=toolkit, toolkit_origin=toolkit_origin,
+                      set_keys=ctx.option("set_keys") or (),
+                      api_key_file=Path(api_key_file) if api_key_file else None)
     if problem:
         plan.notes.append(problem.split(";")[0] + ": its environment is not included")
+    if python_note:
+        plan.notes.append(python_note)
+    if toolkit and serve.command is None:
+        atb, atb_how = atb_set_env(toolkit, base)
+        if atb is None:
+            plan.warnings.append(atb_how)
     return plan
+
+
+def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
+    """(interpreter, its origin, a note) for the server: the workspace's one interpreter."""
+    serve = ctx.recipe.serve
+    if serve.command is not None and not any("{python}" in c for c in serve.command):
+        return serve.python, "recipe", ""
+    from dsv4_offload.interpreter import chosen_python
+
+    try:
+        choice = chosen_python(ctx, record=strict)
+    except InputError as exc:
+        if strict:
+            raise
+        return serve.python, "recipe", f"{exc.one_line()} (shown with the recipe's python)"
+    return choice.path, f"{choice.source} ({choice.reason})", ""
 
 
 def ladder(start: int, rungs: list[int]) -> list[int]:
     """The expert counts to try: the recipe's, then each lower rung of the ladder."""
     return [start] + [r for r in sorted(set(rungs), reverse=True) if r < start]
+
+
+def next_attempt(serve: Any, fraction: float, experts: int, fatal_key: str
+                 ) -> tuple[float, int, str] | None:
+    """(fraction, experts, why) for the retry after a KV-cache or HBM failure, or None.
+
+    The guide's order (appendix G.1): HBM runs out -> lower MEM_FRACTION first, down to its
+    floor (it only shrinks a KV pool larger than the context needs); only at the floor lower
+    the resident experts. A KV pool too small below the floor -> back up to the floor.
+    """
+    floor = serve.mem_fraction_floor
+    if fatal_key == "hbm-oom" and fraction > floor + 1e-9:
+        lower = [f for f in sorted(set(serve.mem_fraction_ladder), reverse=True)
+                 if floor - 1e-9 <= f < fraction - 1e-9]
+        step = lower[0] if lower else floor
+        return step, experts, f"lowering --mem-fraction-static to {step:g} (guide G.1)"
+    if fatal_key == "kv-cache" and fraction < floor - 1e-9:
+        return floor, experts, f"raising --mem-fraction-static to its floor {floor:g}"
+    fewer = [r for r in ladder(experts, serve.gpu_experts_ladder) if r < experts]
+    if not fewer:
+        return None
+    return fraction, fewer[0], f"retrying with {fewer[0]} resident experts"
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
@@ -95,25 +154,59 @@ def run(ctx: StageContext) -> StageResult:
         return _already_running(ctx, existing, facts)
 
     attempts: list[dict[str, Any]] = []
-    start, remembered = _first_rung(ctx)
-    rungs = ladder(start, ctx.recipe.serve.gpu_experts_ladder)
-    for i, experts in enumerate(rungs):
-        plan = make_plan(ctx, experts, facts)
+    first, remembered = _first_rung(ctx)
+    plan = make_plan(ctx, first, facts)  # validates first: no warm-up for a plan that fails
+    warmth = _warm_page_cache(ctx, facts)
+    while True:
+        experts = int(plan.derived["kt_num_gpu_experts"])
+        fraction = float(plan.derived["mem_fraction_static"])
         log = ctx.log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{experts}.log"
         outcome, server = _start_and_wait(ctx, plan, log, experts, detach)
-        attempts.append({"kt_num_gpu_experts": experts, "outcome": outcome.reason,
-                         "seconds": round(outcome.seconds, 1), "log": str(log),
+        attempts.append({"kt_num_gpu_experts": experts, "mem_fraction_static": fraction,
+                         "outcome": outcome.reason, "seconds": round(outcome.seconds, 1),
+                         "log": str(log),
                          **({"fatal": outcome.fatal.key} if outcome.fatal else {})})
         if outcome.ready:
             _remember_rung(ctx, experts, attempts)
-            return _ready(ctx, plan, log, experts, attempts, detach, server, remembered)
+            return _ready(ctx, plan, log, experts, attempts, detach, server, remembered,
+                          warmth)
         _stop_attempt(ctx, server)
         fatal = outcome.fatal
-        if fatal is not None and fatal.retry_fewer_experts and i + 1 < len(rungs):
-            ctx.progress.message(f"{fatal.cause}; retrying with {rungs[i + 1]} resident experts")
-            continue
-        return _failed(ctx, plan, log, outcome, attempts)
-    raise AssertionError("unreachable: the ladder has at least one rung")
+        step = (next_attempt(ctx.recipe.serve, fraction, experts, fatal.key)
+                if fatal is not None and fatal.retry_fewer_experts else None)
+        if step is None:
+            return _failed(ctx, plan, log, outcome, attempts)
+        assert fatal is not None
+        ctx.progress.message(f"{fatal.cause}; {step[2]}")
+        plan = make_plan(ctx, step[1], facts, mem_fraction=step[0])
+
+
+def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
+    """Read the GGUF set into the page cache before loading, when memory can hold it."""
+    if not ctx.option("warm", True):
+        return None
+    from dsv4_offload import pagecache
+    from dsv4_offload.serveplan import LAYER_PLACEHOLDER, weight_template
+
+    template = weight_template(ctx.workspace, ctx.recipe)
+    paths = [Path(template.replace(LAYER_PLACEHOLDER, str(i)))
+             for i in range(ctx.recipe.conversion.layers)]
+    avail = pagecache.mem_available_bytes()
+    with ctx.task("warming the GGUF set into the page cache", unit="B") as task:
+        def progress(done: int, total: int) -> None:
+            task.update(completed=done, total=total)
+
+        report = pagecache.warm(paths, mem_available=avail, on_progress=progress)
+    info = report.as_dict()
+    if report.skipped_reason:
+        ctx.progress.message(f"page cache not warmed: {report.skipped_reason}; kt-kernel reads "
+                             "the GGUF set from disk while loading (slower)")
+    else:
+        ctx.progress.message(
+            f"page cache: {report.total / 2**30:.1f} GiB GGUF set, "
+            f"{report.resident_share:.0%} already resident, read "
+            f"{report.read / 2**30:.1f} GiB in {report.seconds:.1f}s")
+    return info
 
 
 def _ladder_key(ctx: StageContext) -> str:
@@ -121,8 +214,15 @@ def _ladder_key(ctx: StageContext) -> str:
     return f"{ctx.recipe.serve.kt_num_gpu_experts}@{ctx.option('device', 'auto')}"
 
 
-def _first_rung(ctx: StageContext) -> tuple[int, str | None]:
-    """Start where the last KV-cache retry came up, instead of reloading minutes for nothing."""
+def _first_rung(ctx: StageContext) -> tuple[int | None, str | None]:
+    """Start where the last KV-cache retry came up, instead of reloading minutes for nothing.
+
+    None: the plan's own value (the environment's KT_NUM_GPU_EXPERTS, else the recipe's).
+    """
+    from dsv4_offload.serveplan import inherited_env
+
+    if inherited_env().get("KT_NUM_GPU_EXPERTS"):
+        return None, None  # an exported value is the user's explicit choice
     start = ctx.recipe.serve.kt_num_gpu_experts
     memo = read_json(ctx.workspace.serve_ladder, {})
     entry = memo.get(_ladder_key(ctx)) if isinstance(memo, dict) else None
@@ -131,7 +231,7 @@ def _first_rung(ctx: StageContext) -> tuple[int, str | None]:
         return entry["worked"], (f"started at {entry['worked']} resident experts: {start} "
                                  f"failed KV-cache setup on {entry.get('when', '?')}; delete "
                                  f"{ctx.workspace.serve_ladder} to try {start} again")
-    return start, None
+    return None, None
 
 
 def _remember_rung(ctx: StageContext, experts: int, attempts: list[dict[str, Any]]) -> None:
@@ -153,15 +253,19 @@ def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
     follower = sv.LogFollower(log, 0)
     server: sv.ServerProcess | None = None
     if detach:
+        # the key itself never enters the spec: the supervisor reads the file at exec time
         spec = {"argv": plan.argv, "env": plan.env, "log": str(log), "record": str(ws.serve_record),
                 "url": plan.url, "stop_timeout_s": serve.stop_timeout_s,
-                "kt_num_gpu_experts": experts, "extra": {"derived": plan.derived}}
+                "kt_num_gpu_experts": experts, "api_key_file": plan.api_key_file,
+                # the file's path (not the key) lets `serve status` and `accept` authenticate
+                "extra": {"derived": plan.derived, "api_key_file": plan.api_key_file}}
         pid = sv.spawn_detached(spec, ws.serve_spec, ws.serve_supervisor_log)
         exit_code = _detached_exit(ws.serve_record, pid)
         with sv.detached_guard(pid):
             outcome = _wait(ctx, plan, follower, exit_code)
         return outcome, None
-    server = sv.ServerProcess(plan.argv, plan.env, log, on_line=ctx.progress.message)
+    server = sv.ServerProcess(plan.argv, plan.env, log, on_line=ctx.progress.message,
+                              api_key_file=plan.api_key_file)
     server.start()
     try:
         outcome = _wait(ctx, plan, follower, server.poll)
@@ -189,11 +293,14 @@ def _detached_exit(record_path: Path, supervisor_pid: int) -> Any:
 def _wait(ctx: StageContext, plan: ServePlan, follower: sv.LogFollower, exit_code: Any
           ) -> sv.Readiness:
     serve = ctx.recipe.serve
+    from dsv4_offload.probes import api_key_headers
+
+    headers = api_key_headers(plan.api_key_file)
     with ctx.task(f"waiting for {plan.url} (up to {serve.readiness_timeout_s:.0f}s)",
                   total=serve.readiness_timeout_s, unit="s") as task:
         return sv.wait_ready(plan.url, serve.health_paths, serve.readiness_timeout_s,
                              follower=follower, exit_code=exit_code,
-                             on_wait=lambda s: task.update(completed=s))
+                             on_wait=lambda s: task.update(completed=s), headers=headers)
 
 
 def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
@@ -206,19 +313,28 @@ def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
 
 def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
            attempts: list[dict[str, Any]], detach: bool, server: sv.ServerProcess | None,
-           remembered: str | None = None) -> StageResult:
+           remembered: str | None = None, warmth: dict[str, Any] | None = None) -> StageResult:
     outputs = {"url": plan.url, "log": str(log), "kt_num_gpu_experts": experts,
                "attempts": attempts, "argv": plan.argv, "derived": plan.derived,
-               "ready_at": now_iso()}
+               "ready_at": now_iso(), "page_cache": warmth,
+               "api_key": bool(plan.api_key_file)}
     problems = [Problem("info", n, check="serve.plan") for n in plan.notes]
+    problems += [Problem("warning", w, check="serve.plan") for w in plan.warnings]
+    if warmth and warmth.get("skipped_reason"):
+        problems.append(Problem("warning", f"page cache not warmed: {warmth['skipped_reason']}",
+                                fix="free memory (MemAvailable) for the GGUF set: loading "
+                                "reads it from disk instead", check="serve.page-cache"))
     if remembered:
         problems.append(Problem("info", remembered, check="serve.ladder"))
     if len(attempts) > 1:
+        first = attempts[0]
+        fraction = plan.derived["mem_fraction_static"]
         problems.append(Problem(
-            "warning", f"ready with {experts} resident experts after KV-cache setup failed with "
-            f"{attempts[0]['kt_num_gpu_experts']}",
-            fix=f"make it the default: --set serve.kt_num_gpu_experts={experts}",
-            check="serve.ladder"))
+            "warning", f"ready with {experts} resident experts and --mem-fraction-static "
+            f"{fraction:g} after {first.get('fatal', 'KV-cache')} failed with "
+            f"{first['kt_num_gpu_experts']} and {first['mem_fraction_static']:g}",
+            fix=f"make it the default: --set serve.kt_num_gpu_experts={experts} --set "
+            f"serve.mem_fraction_static={fraction:g}", check="serve.ladder"))
     status = Status.WARN if len(attempts) > 1 else Status.OK
     if detach:
         record = sv.read_record(ctx.workspace.serve_record)
@@ -252,7 +368,11 @@ def _failed(ctx: StageContext, plan: ServePlan, log: Path, outcome: sv.Readiness
         check = f"serve.{outcome.fatal.key}"
         if outcome.fatal.retry_fewer_experts and len(attempts) > 1:
             message += f" (tried {', '.join(str(a['kt_num_gpu_experts']) for a in attempts)} " \
-                       "resident experts)"
+                       "resident experts"
+            fractions = sorted({a["mem_fraction_static"] for a in attempts}, reverse=True)
+            if len(fractions) > 1:
+                message += f", --mem-fraction-static {', '.join(f'{f:g}' for f in fractions)}"
+            message += ")"
     elif outcome.reason == "timeout":
         message = (f"not ready within {ctx.recipe.serve.readiness_timeout_s:.0f}s "
                    f"({' then '.join(ctx.recipe.serve.health_paths)} never answered 200)")
