@@ -20,8 +20,8 @@ from pathlib import Path
 import requests
 
 sys.path.insert(0, str(Path(__file__).parent))
-from serve_helpers import free_port  # noqa: E402
-from test_real_peer import LLAMA_CPP_PYTHON, MODEL_FILE, cache_dir, scrambled_copy  # noqa: E402
+from serve_helpers import free_port
+from test_real_peer import LLAMA_CPP_PYTHON, MODEL_FILE, cache_dir, scrambled_copy
 
 OUT = Path(__file__).parent / "fixtures" / "peer-greedy-outputs.json"
 # short prompts, and long greedy answers: a 135M model often settles into a loop, which is
@@ -79,7 +79,8 @@ def main() -> int:
         noisy = scrambled_copy(model, Path(tmp) / "scrambled.gguf")
         doc = {
             "_how": ("captured by tests/capture_peer_outputs.py: llama-cpp-python "
-                     f"{LLAMA_CPP_PYTHON} server, {MODEL_FILE}, /v1/completions or /v1/chat/completions, temperature 0, "
+                     f"{LLAMA_CPP_PYTHON} server, {MODEL_FILE}, /v1/completions or "
+                     "/v1/chat/completions, temperature 0, "
                      "n_ctx 2048, 2 threads; 'scrambled' is the same file with every tensor's "
                      "bytes replaced by noise (seed 5)"),
             "prompts": {name: {"prompt": p, "max_tokens": n, "chat": c}

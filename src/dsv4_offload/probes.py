@@ -167,8 +167,9 @@ class ServerClient:
         last = 0.0
         counted: int | None = None
         prompt_tokens: int | None = None
+        done: list[bool] = []
         try:
-            for event in _sse_events(resp):
+            for event in _sse_events(resp, done):
                 if event.get("error"):
                     # sglang reports a failed streamed request as an error event inside the
                     # HTTP 200 stream (http_server.py generate_request, stream_results)
@@ -191,6 +192,11 @@ class ServerClient:
                                     f"tokens ({type(exc).__name__})") from None
         finally:
             resp.close()
+        if not done and not error:
+            # sglang and OpenAI servers end every stream with "data: [DONE]"
+            # (http_server.py stream_results): without it the server went away
+            raise ServerUnreachable(f"{self.url}{path}: the stream ended after {pieces} "
+                                    "tokens without [DONE] (is the server up?)")
         return Reply(text, 200, time.monotonic() - t0, ttft=None if first is None else first - t0,
                      tokens=counted if counted else pieces,
                      decode_seconds=None if first is None else last - first,
@@ -282,13 +288,15 @@ def _REQUEST_ERRORS() -> tuple[type[BaseException], ...]:
     return (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
 
 
-def _sse_events(resp: requests.Response) -> Iterator[dict[str, Any]]:
+def _sse_events(resp: requests.Response, done: list[bool]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a server-sent stream; ``done`` gets True at ``data: [DONE]``."""
     for raw in resp.iter_lines(decode_unicode=False):
         line = raw.decode("utf-8", errors="replace").strip() if raw else ""
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            done.append(True)
             return
         try:
             event = json.loads(payload)
@@ -479,14 +487,15 @@ def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
     for marker in required:
         hit = re.search(marker.pattern, log_text)
         checks.append(Check(f"log has {marker.label}", hit is not None,
-                            _short(_line_at(log_text, hit.start())) if hit else
+                            _short(_line_at(log_text, hit.start()), 200) if hit else
                             f"missing from {source}",
                             "" if hit else (marker.fix or "read the server log"),
                             required=f"/{marker.pattern}/ present"))
     for marker in forbidden:
         hits = list(re.finditer(marker.pattern, log_text))
         checks.append(Check(f"log without {marker.label}", not hits,
-                            f"{len(hits)}x, first: {_short(_line_at(log_text, hits[0].start()))}"
+                            f"{len(hits)}x, first: "
+                            f"{_short(_line_at(log_text, hits[0].start()), 200)}"
                             if hits else "absent",
                             (marker.fix or "read the server log") if hits else "",
                             required=f"/{marker.pattern}/ absent"))
@@ -522,7 +531,7 @@ class BucketFailed(Exception):
     """A throughput request failed: the bucket, what happened, what the server said."""
 
     def __init__(self, target: int, what: str) -> None:
-        super().__init__(f"bucket {target} tokens: {what}")
+        super().__init__(f"bucket {target} tokens: {what}" if target else what)
         self.target = target
 
 
@@ -542,22 +551,27 @@ class Calibration:
         return max(1, int(room / per_sentence))
 
 
-def calibrate(client: ServerClient, chat: bool = False) -> Calibration:
-    """Count one and three cycles of the filler in the server's own tokens (max 1 new token)."""
+def calibrate(client: ServerClient, chunk: int, chat: bool = False) -> Calibration:
+    """Count one and two cycles of the filler in the server's own tokens (1 new token each),
+    never sending more than ``chunk`` tokens."""
     cycle = len(_FILLER)
-    counts = []
-    for cycles in (1, 3):
+    counts: list[int | None] = []
+    for cycles in (1, 2):
+        if cycles == 2 and (counts[0] is None or 2 * counts[0] > chunk):
+            break
         reply = client.generate(filler_prompt(cycles * cycle), 1, chat)
         if not reply.ok:
-            raise BucketFailed(0, f"calibration request failed: HTTP {reply.status} "
+            raise BucketFailed(0, f"calibrating the prompt size: HTTP {reply.status} "
                                f"{reply.error}".rstrip())
         counts.append(reply.prompt_tokens)
-    if counts[0] is None or counts[1] is None:
+    if counts[0] is None:
         # ~1.35 tokens per English word for BPE vocabularies: used only when the server
         # does not report token counts
         words = len(filler_prompt(cycle).split())
         return Calibration(base=0.0, per_cycle=1.35 * words, measured=False)
-    per_cycle = (counts[1] - counts[0]) / 2
+    if len(counts) == 1 or counts[1] is None:
+        return Calibration(base=0.0, per_cycle=float(counts[0]), measured=True)  # errs short
+    per_cycle = float(counts[1] - counts[0])
     return Calibration(base=counts[0] - per_cycle, per_cycle=per_cycle, measured=True)
 
 
@@ -623,6 +637,9 @@ def measure_throughput(client: ServerClient, plan: Plan, targets: Sequence[int],
     """Per bucket, as decode_throughput_test.sh does: ``warmup`` full generations discarded
     (L176-181), then ``repeats`` streamed ones timed token by token (L183-237)."""
     step = on_step or (lambda _msg: None)
+    # sglang honours ignore_eos, so fewer tokens means the request broke off; OpenAI
+    # servers may ignore the field and stop at EOS
+    exact = client.api == "native"
     buckets = []
     for target in targets:
         why = plan.skip_reason(target)
@@ -631,24 +648,30 @@ def measure_throughput(client: ServerClient, plan: Plan, targets: Sequence[int],
             continue
         prompt = filler_prompt(calibration.sentences_for(min(target, plan.chunk)))
         prompt_tokens: int | None = None
-        for i in range(plan.warmup):
-            step(f"bucket {target}: warm-up {i + 1}/{plan.warmup}")
-            warm = client.generate(prompt, plan.new_tokens, chat, ignore_eos=True)
-            _require(warm, target, plan, f"warm-up {i + 1}")
-            prompt_tokens = warm.prompt_tokens or prompt_tokens
         runs = []
-        for i in range(plan.repeats):
-            step(f"bucket {target}: run {i + 1}/{plan.repeats}")
-            reply = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
-            _require(reply, target, plan, f"run {i + 1}")
-            prompt_tokens = reply.prompt_tokens or prompt_tokens
-            runs.append({"tokens": reply.tokens, "tok_s": _round(reply.decode_tok_s),
-                         "ttft_s": _round(reply.ttft), "seconds": _round(reply.seconds)})
+        which = ""
+        try:
+            for i in range(plan.warmup):
+                which = f"warm-up {i + 1}"
+                step(f"bucket {target}: {which}/{plan.warmup}")
+                warm = client.generate(prompt, plan.new_tokens, chat, ignore_eos=True)
+                _require(warm, target, plan, which, exact)
+                prompt_tokens = warm.prompt_tokens or prompt_tokens
+            for i in range(plan.repeats):
+                which = f"run {i + 1}"
+                step(f"bucket {target}: {which}/{plan.repeats}")
+                reply = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
+                _require(reply, target, plan, which, exact)
+                prompt_tokens = reply.prompt_tokens or prompt_tokens
+                runs.append({"tokens": reply.tokens, "tok_s": _round(reply.decode_tok_s),
+                             "ttft_s": _round(reply.ttft), "seconds": _round(reply.seconds)})
+        except ServerUnreachable as exc:
+            raise BucketFailed(target, f"{which}: {exc}") from None
         buckets.append(Bucket(target, prompt_tokens, runs))
     return buckets
 
 
-def _require(reply: Reply, target: int, plan: Plan, which: str) -> None:
+def _require(reply: Reply, target: int, plan: Plan, which: str, exact: bool) -> None:
     if not reply.ok:
         raise BucketFailed(target, f"{which} failed: HTTP {reply.status}"
                            + (f": {reply.error}" if reply.error else ""))
@@ -656,7 +679,7 @@ def _require(reply: Reply, target: int, plan: Plan, which: str) -> None:
         # calibration keeps prompts under the chunk; a server that counts otherwise is a bug
         raise BucketFailed(target, f"{which}: the server counted {reply.prompt_tokens} prompt "
                            f"tokens, above its chunk {plan.chunk}")
-    if reply.tokens and reply.tokens < plan.new_tokens and reply.tokens != 1:
+    if exact and reply.tokens < plan.new_tokens:
         raise BucketFailed(target, f"{which}: {reply.tokens} of {plan.new_tokens} tokens with "
                            "ignore_eos (the generation stopped early)")
 

@@ -207,12 +207,12 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
 
     try:
         step("calibrating the prompt in the server's tokens")
-        calibration = pr.calibrate(client, chat)
+        calibration = pr.calibrate(client, chunk, chat)
         buckets = pr.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
                                         on_step=step)
     except (pr.BucketFailed, pr.ServerUnreachable) as exc:
-        where = f"{exc}" if isinstance(exc, pr.BucketFailed) else f"throughput phase: {exc}"
-        return [], pr.Check("decode throughput", False, where,
+        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"calibrating: {exc}"
+        return [], pr.Check("decode throughput", False, what,
                             _with_tail("the server failed under load", log_path),
                             data={"chunk": chunk, "chunk_source": source})
     check = pr.check_throughput(buckets, cfg, gate)
