@@ -1,11 +1,13 @@
-"""Stage `accept`: health, coherent greedy probes, determinism, log markers, decode tok/s.
+"""Stage `accept`: health, coherent greedy probes, determinism, decode tok/s, server log.
 
 Options: ``url`` (default: the supervised server, else serve.host:port), ``api``
 (native | openai), ``model`` (the name an OpenAI server wants), ``probes`` (a YAML file
 with a list of probes, or a mapping with ``probes`` and ``determinism_probe``), ``log``
-(a server log to check for markers; default: the supervised server's).
-Writes ``reports/accept-<time>.json`` and a PNG chart beside it; the summary goes to
-provenance through the stage outputs.
+(a server log to check, for a server started elsewhere; default: the supervised server's),
+``require_lines``/``forbid_lines`` (regexes replacing the recipe's markers), ``quick``,
+``no_throughput_gate``, ``gpqa`` (rounds), ``api_key_file``.
+The log is read after all of accept's own traffic. Writes ``reports/accept-<time>.json`` and
+a PNG chart beside it; the summary goes to provenance through the stage outputs.
 """
 
 from __future__ import annotations
