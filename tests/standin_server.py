@@ -13,7 +13,7 @@ and counts prompt tokens in meta_info / usage. Its token is a word or punctuatio
 every mode: a prompt longer than the chunked prefill (--chunk, else --chunked-prefill-size)
 kills it, as the guide says such prompts fail (G306-310); --fallback-over N logs sglang/0003's
 streaming fallback line for prompts of N tokens or more; --die-in-stream K exits halfway
-through the K-th streamed answer.
+through the K-th streamed answer, --hang-in-stream K stops sending there.
 """
 
 from __future__ import annotations
@@ -234,6 +234,9 @@ class Handler(BaseHTTPRequestHandler):
             if nth == self.st.args.die_in_stream and i == len(chunks) // 2:
                 print(f"[standin] dying in the middle of streamed answer {nth}", flush=True)
                 os._exit(5)
+            if nth == self.st.args.hang_in_stream and i == len(chunks) // 2:
+                print(f"[standin] hanging in the middle of streamed answer {nth}", flush=True)
+                time.sleep(3600)
             time.sleep(self.st.args.token_delay)
             sent += chunk
             if flavour == "native":
@@ -266,6 +269,7 @@ def main() -> int:
     parser.add_argument("--chunk", type=int, default=None, help="overrides the flag above")
     parser.add_argument("--fallback-over", type=int, default=0)
     parser.add_argument("--die-in-stream", type=int, default=0)
+    parser.add_argument("--hang-in-stream", type=int, default=0)
     parser.add_argument("--no-server-info", action="store_true")
     parser.add_argument("--no-startup-lines", action="store_true")
     args, _sglang_flags = parser.parse_known_args()

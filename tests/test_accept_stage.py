@@ -171,6 +171,18 @@ def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_
     assert "dying in the middle of streamed answer 3" in problem.fix  # the log's last lines
 
 
+def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_path,
+                                                                          no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--hang-in-stream", "1")
+    assert result.status is Status.FAILED
+    assert result.data["elapsed"] < 20  # request_timeout_s is 5 in these tests
+    problem = _problem(result, "decode throughput")
+    assert problem.message.startswith("decode throughput: bucket 130 tokens: run 1: ")
+    assert "the stream broke after" in problem.message
+    assert "hanging in the middle of streamed answer 1" in problem.fix
+
+
 def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, no_leftovers):
     slow = ["--token-delay", "0.05"]  # ~20 tok/s
     sets = ["acceptance.throughput.reference_tok_s=100",

@@ -83,9 +83,12 @@ class Check:
     data: dict[str, Any] = field(default_factory=dict)
     required: str = ""
     gate: bool = True  # False: a failure is reported as a warning only
+    warning: bool = False  # passed, with something the user must read (the fix says what)
 
     @property
     def status(self) -> str:
+        if (self.ok is False and not self.gate) or (self.ok and self.warning):
+            return "warn"
         return {True: "pass", False: "fail", None: "skipped"}[self.ok]
 
     def as_dict(self) -> dict[str, Any]:
@@ -490,7 +493,7 @@ def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
                             _short(_line_at(log_text, hit.start()), 200) if hit else
                             f"missing from {source}",
                             "" if hit else (marker.fix or "read the server log"),
-                            required=f"/{marker.pattern}/ present"))
+                            {"pattern": marker.pattern}, required="present"))
     for marker in forbidden:
         hits = list(re.finditer(marker.pattern, log_text))
         checks.append(Check(f"log without {marker.label}", not hits,
@@ -498,7 +501,7 @@ def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
                             f"{_short(_line_at(log_text, hits[0].start()), 200)}"
                             if hits else "absent",
                             (marker.fix or "read the server log") if hits else "",
-                            required=f"/{marker.pattern}/ absent"))
+                            {"pattern": marker.pattern}, required="absent"))
     return checks
 
 
@@ -695,6 +698,8 @@ def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = Tr
                      "read the server log", required=required, gate=gate)
     shown = "; ".join(f"{b.target} ({b.prompt_tokens or '?'} tok): median {b.tok_s} "
                       f"[{b.stats()['min']}-{b.stats()['max']}] tok/s" for b in measured)
+    if skipped:
+        shown += "; skipped: " + ", ".join(str(b.target) for b in skipped)
     data = {"reference": cfg.reference_tok_s,
             "skipped": {b.target: b.skipped for b in skipped}}
     slow = [b for b in measured if (b.tok_s or 0) < cfg.reference_tok_s]
@@ -706,7 +711,9 @@ def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = Tr
                      "check the NPU graph capture in the log, KT_CPUINFER/threadpool against "
                      "the NUMA layout, that nothing else uses the card, and that the GGUF sits "
                      "in the page cache", data, required=required, gate=gate)
-    return Check("decode throughput", True, shown, data=data, required=required, gate=gate)
+    fix = "; ".join(f"bucket {b.target} skipped: {b.skipped}" for b in skipped)
+    return Check("decode throughput", True, shown, fix, data=data, required=required,
+                 gate=gate, warning=bool(skipped))
 
 
 def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: str) -> Path:

@@ -325,13 +325,13 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
     failed = [c for c in checks if c.ok is False]
     hard = [c for c in failed if c.gate]
     for c in failed:
-        fix = c.fix
-        if c in hard and log_path is not None and "last lines of" not in fix:
-            fix = _with_tail(fix or "read the server log", log_path)
+        if c in hard and log_path is not None and "last lines of" not in c.fix:
+            c.fix = _with_tail(c.fix or "read the server log", log_path)
         problems.append(Problem("error" if c in hard else "warning", f"{c.name}: {c.detail}",
-                                fix=fix, check=f"accept.{c.name}"))
+                                fix=c.fix, check=f"accept.{c.name}"))
     problems += [Problem("warning", note, check="accept.throughput") for note in notes]
-    status = Status.FAILED if hard else (Status.WARN if failed or problems else Status.OK)
+    warned = [c for c in checks if c.status == "warn"]
+    status = Status.FAILED if hard else (Status.WARN if warned or problems else Status.OK)
     passed = sum(1 for c in checks if c.ok)
     tok_s = next((b.tok_s for b in buckets if b.tok_s), None)
     summary = (f"{'FAILED' if hard else 'passed'}: {passed}/{len(checks)} checks"
