@@ -260,3 +260,40 @@ def test_probes_file_is_validated(tmp_path: Path):
         load_probes(bad, acc)
     with pytest.raises(InputError, match="not found"):
         load_probes(tmp_path / "missing.yaml", acc)
+
+
+def test_the_chunk_comes_from_the_most_direct_source():
+    from dsv4_offload.stages.accept import server_chunk
+    from dsv4_offload.supervisor import ServeRecord
+
+    record = ServeRecord(1, 2, "http://x", "log", ["python", "-m", "sglang.launch_server",
+                                                   "--chunked-prefill-size", "16384"], "now")
+    # the delivery launcher's own line (launch_ds4flash_npu.sh L264)
+    log = ("[launch] chunked-prefill-size=32768 (a positive value must be a multiple of "
+           "page_size; see the header)\n")
+    assert server_chunk({"chunked_prefill_size": 8192}, record, log, 2048) == (
+        8192, "/get_server_info")
+    # sglang's "no chunking" (-1 / None) says nothing about a limit: look further
+    assert server_chunk({"chunked_prefill_size": -1}, record, log, 2048) == (
+        16384, "the serve record's command line")
+    assert server_chunk(None, None, log, 2048) == (32768, "the launcher's line in the server log")
+    assert server_chunk(None, None, "no such line", 2048) == (
+        2048, "the recipe (serve.chunked_prefill_size)")
+
+
+def test_gpqa_reads_evalscopes_report_and_summarises_like_the_script(tmp_path: Path):
+    from dsv4_offload.gpqa import GpqaResult, read_score
+
+    assert read_score(tmp_path) is None
+    report = tmp_path / "20261203_041500" / "reports" / "W8A8" / "gpqa_diamond.json"
+    report.parent.mkdir(parents=True)
+    # evalscope's Report model (evalscope/report/report.py): score is a 0-1 accuracy
+    report.write_text(json.dumps({"name": "r", "dataset_name": "gpqa_diamond",
+                                  "model_name": "W8A8", "score": 0.6919, "metrics": []}))
+    assert read_score(tmp_path) == 69.19
+    report.write_text(json.dumps({"score": 69.19}))  # a percentage is not evalscope's format
+    assert read_score(tmp_path) is None
+    result = GpqaResult(rounds=[69.19, 72.73, None, 73.23])
+    # gpqa_accuracy_repeat.sh L120-125: failed rounds out of the mean, population SD
+    assert result.summary() == {"n": 3, "mean": 71.72, "min": 69.19, "max": 73.23, "sd": 1.8}
+    assert result.tolerance_pp() == round(2 * 3.3 / 3 ** 0.5, 2)
