@@ -297,3 +297,18 @@ def test_gpqa_reads_evalscopes_report_and_summarises_like_the_script(tmp_path: P
     # gpqa_accuracy_repeat.sh L120-125: failed rounds out of the mean, population SD
     assert result.summary() == {"n": 3, "mean": 71.72, "min": 69.19, "max": 73.23, "sd": 1.8}
     assert result.tolerance_pp() == round(2 * 3.3 / 3 ** 0.5, 2)
+
+
+def test_an_exported_depool_knob_decides_the_depool_marker(tmp_path: Path, monkeypatch):
+    from serve_helpers import context, make_workspace
+
+    from dsv4_offload.stages.accept import _markers
+
+    ws = make_workspace(tmp_path / "ws")
+    names = [m.name for m in _markers(context(ws, [], "accept"))[0]]
+    assert "depool slot reserved" in names
+    monkeypatch.setenv("KT_MXFP4_DEPOOL", "0")  # the launcher lets an exported value win
+    names = [m.name for m in _markers(context(ws, [], "accept"))[0]]
+    assert "depool slot reserved" not in names
+    own = _markers(context(ws, [], "accept", require_lines=["Uvicorn running"]))
+    assert [m.pattern for m in own[0]] == ["Uvicorn running"] and own[1] == []

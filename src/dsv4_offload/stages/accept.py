@@ -12,6 +12,7 @@ a PNG chart beside it; the summary goes to provenance through the stage outputs.
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from pathlib import Path
@@ -165,7 +166,11 @@ def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
         except ValueError as exc:
             raise InputError(f"--require-line/--forbid-line: {str(exc).splitlines()[-1]}"
                              ) from None
-    env = dict(ctx.recipe.serve.env)
+    # the server's environment as the launcher builds it: the recipe's values, a knob the
+    # user exported winning (launch_ds4flash_npu.sh's ${X:-default})
+    keys = {k for m in [*acc.log_markers_required, *acc.log_markers_forbidden]
+            for k in m.when_env}
+    env = {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
     return (pr.markers_that_apply(acc.log_markers_required, env),
             pr.markers_that_apply(acc.log_markers_forbidden, env))
 
