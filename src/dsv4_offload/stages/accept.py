@@ -199,26 +199,29 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
                 log_path: Path | None, quick: bool, gate: bool, chat: bool,
                 task: Task) -> tuple[list[pr.Bucket], pr.Check]:
     cfg = ctx.recipe.acceptance.throughput
-    info = client.get_json("/get_server_info") if client.api == "native" else None
     log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
-    chunk, source = server_chunk(info, record, log_text, ctx.recipe.serve.chunked_prefill_size)
-    context = (info or {}).get("context_length")
-    plan = pr.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
-                   repeats=1 if quick else cfg.repeats, warmup=min(cfg.warmup, 1) if quick
-                   else cfg.warmup, chunk=chunk, chunk_source=source,
-                   context_length=context if isinstance(context, int) and context > 0
-                   else ctx.recipe.serve.context_length)
+    chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
 
     def step(what: str) -> None:
         task.update(description=f"throughput: {what}")
 
     try:
+        # sglang's /get_server_info holds its ServerArgs; an OpenAI-only server has none
+        info = client.get_json("/get_server_info") if client.api == "native" else None
+        chunk, source = server_chunk(info, record, log_text, chunk)
+        context = (info or {}).get("context_length")
+        plan = pr.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
+                       repeats=1 if quick else cfg.repeats,
+                       warmup=min(cfg.warmup, 1) if quick else cfg.warmup,
+                       chunk=chunk, chunk_source=source,
+                       context_length=context if isinstance(context, int) and context > 0
+                       else ctx.recipe.serve.context_length)
         step("calibrating the prompt in the server's tokens")
         calibration = pr.calibrate(client, chunk, chat)
         buckets = pr.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
                                         on_step=step)
     except (pr.BucketFailed, pr.ServerUnreachable) as exc:
-        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"calibrating: {exc}"
+        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"before the buckets: {exc}"
         return [], pr.Check("decode throughput", False, what,
                             _with_tail("the server failed under load", log_path),
                             data={"chunk": chunk, "chunk_source": source})
