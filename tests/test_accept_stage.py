@@ -156,6 +156,16 @@ def test_the_fallback_only_long_prompts_cause_is_caught_in_the_log(tmp_path, no_
     assert _check(result, "decode throughput")["ok"]  # the throughput itself was fine
 
 
+def test_a_log_without_the_guides_lines_fails_each_with_its_fix(tmp_path, no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--no-startup-lines")
+    assert result.status is Status.FAILED
+    assert _failed(result) == ["log has 'weights loaded'", "log has 'depool slot reserved'",
+                               "log has 'KV pool sized'", "log has 'NPU graph captured'"]
+    assert "5x slower" in _check(result, "log has 'NPU graph captured'")["fix"]
+    assert "AscendC op" in _check(result, "log has 'depool slot reserved'")["fix"]
+
+
 def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_leftovers):
     # streamed answer 3 is bucket 400's first run (the probes are not streamed)
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
