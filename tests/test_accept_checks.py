@@ -38,6 +38,7 @@ PEER = json.loads((Path(__file__).parent / "fixtures" / "peer-greedy-outputs.jso
     "The capital of France is Paris.",
     "Numbers like 1000000 and 2024-01-01 are fine, and so is a short ... ellipsis.",
     "北京 (Beijing) 是中国的首都。",  # two writing systems are ordinary in a Chinese answer
+    "俄罗斯的首都是莫斯科 (Moscow, Москва)。",  # three, when it quotes a name
     "def f(x):\n    return {x: [i * 2 for i in range(x)]}  # code is full of symbols",
 ])
 def test_coherent_texts_pass(text):

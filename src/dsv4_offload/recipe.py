@@ -338,7 +338,8 @@ class Degeneration(Strict):
     min_sentence_period: int = Field(
         8, gt=2, description="a cycle this long or longer is a repeated sentence: it passes "
         "with a note (greedy decoding does this)")
-    max_scripts: int = Field(2, gt=0, description="more writing systems mixed is token soup")
+    max_scripts: int = Field(3, gt=0, description="more writing systems mixed is token soup "
+                             "(a Chinese answer may quote a Latin and a Cyrillic name)")
     min_script_share: float = Field(0.05, gt=0, lt=1)
     max_symbol_share: float = Field(0.3, gt=0, lt=1)
 
