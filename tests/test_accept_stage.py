@@ -167,9 +167,10 @@ def test_a_log_without_the_guides_lines_fails_each_with_its_fix(tmp_path, no_lef
 
 
 def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_leftovers):
-    # streamed answer 3 is bucket 400's first run (the probes are not streamed)
+    # streamed answer 5 is bucket 400's first run: each bucket streams a warm-up and 2 runs
+    # (the probes and the calibration are not streamed)
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
-                                   "--die-in-stream", "3")
+                                   "--die-in-stream", "5")
     assert result.status is Status.FAILED
     assert "decode throughput" in _failed(result)
     assert "server alive after the run" in _failed(result)
@@ -178,19 +179,19 @@ def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_
         f"decode throughput: bucket 400 tokens: run 1: {result.data['url']}/generate: the "
         "stream ended after ")
     assert problem.message.endswith(" tokens without [DONE] (is the server up?)")
-    assert "dying in the middle of streamed answer 3" in problem.fix  # the log's last lines
+    assert "dying in the middle of streamed answer 5" in problem.fix  # the log's last lines
 
 
 def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_path,
                                                                           no_leftovers):
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
-                                   "--hang-in-stream", "1")
+                                   "--hang-in-stream", "2")
     assert result.status is Status.FAILED
     assert result.data["elapsed"] < 20  # request_timeout_s is 5 in these tests
     problem = _problem(result, "decode throughput")
     assert problem.message.startswith("decode throughput: bucket 130 tokens: run 1: ")
     assert "the stream broke after" in problem.message
-    assert "hanging in the middle of streamed answer 1" in problem.fix
+    assert "hanging in the middle of streamed answer 2" in problem.fix
 
 
 def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, no_leftovers):

@@ -657,9 +657,18 @@ def measure_throughput(client: ServerClient, plan: Plan, targets: Sequence[int],
             for i in range(plan.warmup):
                 which = f"warm-up {i + 1}"
                 step(f"bucket {target}: {which}/{plan.warmup}")
-                warm = client.generate(prompt, plan.new_tokens, chat, ignore_eos=True)
+                # streamed, unlike the script's curl (L179): the same load on the server,
+                # and a hung server is caught by the per-read timeout, not after an hour
+                warm = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
                 _require(warm, target, plan, which, exact)
                 prompt_tokens = warm.prompt_tokens or prompt_tokens
+            if prompt_tokens is None:
+                # a server that does not count tokens in its streams (an OpenAI server
+                # without stream usage): ask once, with one new token
+                which = "counting the prompt"
+                counted = client.generate(prompt, 1, chat)
+                _require(counted, target, plan, which, exact=False)
+                prompt_tokens = counted.prompt_tokens
             for i in range(plan.repeats):
                 which = f"run {i + 1}"
                 step(f"bucket {target}: {which}/{plan.repeats}")
