@@ -123,8 +123,15 @@ def run(ctx: StageContext) -> StageResult:
         else:
             checks.append(pr.Check("decode throughput", None, "skipped: earlier checks failed"))
         task.advance()
-        if gpqa_rounds and all(c.ok is not False for c in checks) and evalscope:
-            checks.append(_gpqa(ctx, client, evalscope, gpqa_rounds, task))
+        if gpqa_rounds and evalscope:
+            if any(c.ok is False and c.gate for c in checks):
+                checks.append(pr.Check("GPQA-diamond", None, "skipped: earlier checks failed"))
+            else:
+                try:
+                    checks.append(_gpqa(ctx, client, evalscope, gpqa_rounds, task))
+                except (InputError, pr.ServerUnreachable) as exc:
+                    checks.append(pr.Check("GPQA-diamond", False, str(exc),
+                                           "give --model, or check the server"))
         # after all of accept's own traffic: a server that died under it, and the log lines
         # only long prompts can cause (streaming prefill fallback), are caught here
         if all(c.name != "server answers" for c in checks):
