@@ -549,7 +549,7 @@ class Calibration:
     def sentences_for(self, target: int) -> int:
         """Filler sentences whose prompt stays at or below ``target`` server tokens."""
         per_sentence = self.per_cycle / len(_FILLER)
-        # one sentence's worth of slack: the count is exact per cycle, not per sentence
+        # two sentences of slack: the count is exact per cycle, sentences differ in length
         room = target - self.base - 2 * per_sentence
         return max(1, int(room / per_sentence))
 
