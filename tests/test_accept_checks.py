@@ -313,3 +313,26 @@ def test_an_exported_depool_knob_decides_the_depool_marker(tmp_path: Path, monke
     assert "depool slot reserved" not in names
     own = _markers(context(ws, [], "accept", require_lines=["Uvicorn running"]))
     assert [m.pattern for m in own[0]] == ["Uvicorn running"] and own[1] == []
+
+
+def test_the_api_key_goes_into_every_requests_headers(tmp_path: Path):
+    from serve_helpers import context, make_workspace
+
+    from dsv4_offload.probes import ServerClient
+    from dsv4_offload.stages.accept import auth_headers
+    from dsv4_offload.supervisor import ServeRecord
+
+    ws = make_workspace(tmp_path / "ws")
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    record = ServeRecord(1, 2, "http://127.0.0.1:8020", "log", [], "now",
+                         extra={"api_key_file": str(key)})
+    ctx = context(ws, [], "accept")
+    assert auth_headers(ctx, record, "http://127.0.0.1:8020") == {
+        "Authorization": "Bearer s3cret"}  # the key `serve --api-key-file` recorded
+    assert auth_headers(ctx, record, "http://elsewhere:1") == {}  # not that server
+    given = context(ws, [], "accept", api_key_file=str(key))
+    client = ServerClient("http://elsewhere:1", headers=auth_headers(given, None, "x"))
+    assert client.headers()["Authorization"] == "Bearer s3cret"
+    with pytest.raises(InputError, match="unreadable API key file"):
+        auth_headers(context(ws, [], "accept", api_key_file=str(tmp_path / "no")), None, "x")
