@@ -4,9 +4,16 @@ Speaks /health, /health_generate, /generate (native, with streaming) and the Ope
 /v1/completions and /v1/chat/completions (with streaming). It accepts and ignores sglang's
 launch flags, except --host, --port and --kt-num-gpu-experts. Behaviour by --mode:
 
-good, garbage, repeat-char, empty-200, slow-start, crash-after-N (--crash-after N), hang,
-nondeterministic, fatal (--fatal KEY: print that known fatal log line and keep running),
-kv-ladder (fail KV setup while --kt-num-gpu-experts > --kv-max-experts).
+good, garbage, garbled, repeat-char, sentence-loop, empty-200, slow-start, crash-after-N
+(--crash-after N), hang, nondeterministic, fatal (--fatal KEY: print that known fatal log line
+and keep running), kv-ladder (fail KV setup while --kt-num-gpu-experts > --kv-max-experts).
+
+Like sglang it answers /get_server_info (ServerArgs fields at the top level, http_server.py)
+and counts prompt tokens in meta_info / usage. Its token is a word or punctuation mark. In
+every mode: a prompt longer than the chunked prefill (--chunk, else --chunked-prefill-size)
+kills it, as the guide says such prompts fail (G306-310); --fallback-over N logs sglang/0003's
+streaming fallback line for prompts of N tokens or more; --die-in-stream K exits halfway
+through the K-th streamed answer, --hang-in-stream K stops sending there.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ import argparse
 import itertools
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -40,6 +48,10 @@ GOOD_ANSWERS = {
 }
 GENERIC = ("The report describes how the system was measured over several weeks, which "
            "parts were slow, and what the team changed to make each step faster.")
+# mixed writing systems and symbols, the way a model with broken weights emits token pieces
+GARBLED = " ilesatur Добро ⸮ظبط 기억 ŧrans ▒▒ Ψηφ ктив ‡ 역사 ملك ∰ tionsен ◊ δεί"
+SENTENCE = (" Paris is the capital of France, and it is also the largest city in the "
+            "country.")
 GARBAGE_WORDS = ("zorp", "quib", "flandle", "mek", "trosk", "vuu", "plinth", "gadro", "ixel",
                  "nebbo", "sarf", "clum", "wix", "dorrel", "yant", "hesk")
 
@@ -49,14 +61,25 @@ class State:
         self.args = args
         self.started = time.monotonic()
         self.requests = 0
+        self.streams = 0
         self.lock = threading.Lock()
         self.counter = itertools.count()
+
+
+def count_tokens(text: str) -> int:
+    return len(re.findall(r"\w+|[^\w\s]", text))
 
 
 def answer(state: State, prompt: str, max_tokens: int) -> str:
     mode = state.args.mode
     if mode == "empty-200":
         return ""
+    if mode == "garbled":
+        return GARBLED
+    if mode == "sentence-loop":  # a coherent answer that cycles one sentence, as greedy does
+        if "中国" in prompt:
+            return "北京。" + "北京是中华人民共和国的首都，也是全国的政治和文化中心。" * 5
+        return SENTENCE * 6
     if mode == "garbage":
         words = [GARBAGE_WORDS[(i * 7 + len(prompt)) % len(GARBAGE_WORDS)] for i in range(24)]
         return " " + " ".join(words)
@@ -113,6 +136,19 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self._denied():
             return
+        if self.path == "/get_server_info" and not self.st.args.no_server_info:
+            args = self.st.args
+            # the shape of sglang's answer: ServerArgs fields, scheduler info, internal
+            # states, version (http_server.py get_server_info)
+            self._json(200, {"model_path": "standin", "tokenizer_path": "standin",
+                             "host": args.host, "port": args.port,
+                             "chunked_prefill_size": args.chunk,
+                             "context_length": args.context_length,
+                             "max_running_requests": 1, "mem_fraction_static": 0.81,
+                             "page_size": 128, "max_total_num_tokens": 131072,
+                             "internal_states": [{"last_gen_throughput": 0.0}],
+                             "version": "standin"})
+            return
         if self.path in ("/health", "/health_generate", "/v1/models"):
             if self._loading():
                 self._json(503, {"error": "loading"})
@@ -151,7 +187,7 @@ class Handler(BaseHTTPRequestHandler):
             prompt = str(body.get("text", ""))
             params = body.get("sampling_params") or {}
             self._reply(prompt, int(params.get("max_new_tokens", 64)), bool(body.get("stream")),
-                        "native")
+                        "native", bool(params.get("ignore_eos")))
         elif self.path == "/v1/completions":
             self._reply(str(body.get("prompt", "")), int(body.get("max_tokens", 16)),
                         bool(body.get("stream")), "completion")
@@ -163,33 +199,63 @@ class Handler(BaseHTTPRequestHandler):
         else:
             self._json(404, {"error": "not found"})
 
-    def _reply(self, prompt: str, max_tokens: int, stream: bool, flavour: str) -> None:
+    def _prefill(self, prompt: str) -> int:
+        """The prompt's tokens; too long for the chunk kills the server, long ones log."""
+        args = self.st.args
+        n = count_tokens(prompt)
+        if n > args.chunk:
+            print(f"[standin] prompt of {n} tokens is longer than the chunked prefill "
+                  f"{args.chunk}: the NSA compressor cannot cross a chunk; exiting", flush=True)
+            os._exit(4)
+        if args.fallback_over and n >= args.fallback_over:
+            # the message sglang/0003 logs (kt_stream_prefill.py, patch line 1131)
+            print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] [KT_STREAM] streaming failed "
+                  "(RuntimeError('NPU out of memory. Tried to allocate 1.00 GiB')) -> hybrid "
+                  "fallback", flush=True)
+        return n
+
+    def _reply(self, prompt: str, max_tokens: int, stream: bool, flavour: str,
+               ignore_eos: bool = False) -> None:
+        prompt_tokens = self._prefill(prompt)
         text = answer(self.st, prompt, max_tokens)
+        chunks = pieces(text) if text else []
+        # ignore_eos: generate exactly max_tokens, as sglang does
+        while ignore_eos and text and len(chunks) < max_tokens:
+            chunks.append(" more")
+        chunks = chunks[:max_tokens]
+        usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(chunks)}
         if not stream:
+            text = "".join(chunks)
             if flavour == "native":
-                self._json(200, {"text": text, "meta_info": {
-                    "prompt_tokens": len(prompt.split()), "completion_tokens": len(pieces(text))}})
+                self._json(200, {"text": text, "meta_info": usage})
             elif flavour == "completion":
-                self._json(200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}]})
+                self._json(200, {"choices": [{"index": 0, "text": text, "finish_reason": "stop"}],
+                                 "usage": usage})
             else:
                 self._json(200, {"choices": [{"index": 0, "finish_reason": "stop", "message": {
-                    "role": "assistant", "content": text}}]})
+                    "role": "assistant", "content": text}}], "usage": usage})
             return
+        with self.st.lock:
+            self.st.streams += 1
+            nth = self.st.streams
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.send_header("Connection", "close")
         self.end_headers()
         self.close_connection = True
-        chunks = pieces(text) if text else []
-        # throughput probes ask for many tokens: keep streaming filler up to max_tokens
-        while len(chunks) < max_tokens and text:
-            chunks.append(" more")
         sent = ""
-        for i, chunk in enumerate(chunks[:max_tokens]):
+        for i, chunk in enumerate(chunks):
+            if nth == self.st.args.die_in_stream and i == len(chunks) // 2:
+                print(f"[standin] dying in the middle of streamed answer {nth}", flush=True)
+                os._exit(5)
+            if nth == self.st.args.hang_in_stream and i == len(chunks) // 2:
+                print(f"[standin] hanging in the middle of streamed answer {nth}", flush=True)
+                time.sleep(3600)
             time.sleep(self.st.args.token_delay)
             sent += chunk
             if flavour == "native":
-                event = {"text": sent, "meta_info": {"completion_tokens": i + 1}}
+                event = {"text": sent, "meta_info": {"prompt_tokens": prompt_tokens,
+                                                     "completion_tokens": i + 1}}
             elif flavour == "completion":
                 event = {"choices": [{"index": 0, "text": chunk}]}
             else:
@@ -213,7 +279,16 @@ def main() -> int:
     parser.add_argument("--token-delay", type=float, default=0.002)
     parser.add_argument("--exit-after-fatal", action="store_true")
     parser.add_argument("--api-key", default=None)
+    parser.add_argument("--chunked-prefill-size", type=int, default=8192)  # sglang's flag
+    parser.add_argument("--context-length", type=int, default=65536)  # sglang's flag
+    parser.add_argument("--chunk", type=int, default=None, help="overrides the flag above")
+    parser.add_argument("--fallback-over", type=int, default=0)
+    parser.add_argument("--die-in-stream", type=int, default=0)
+    parser.add_argument("--hang-in-stream", type=int, default=0)
+    parser.add_argument("--no-server-info", action="store_true")
+    parser.add_argument("--no-startup-lines", action="store_true")
     args, _sglang_flags = parser.parse_known_args()
+    args.chunk = args.chunk or args.chunked_prefill_size
     # sglang logs its whole ServerArgs at start-up, the api key among them
     print(f"server_args=ServerArgs(host={args.host!r}, port={args.port}, "
           f"api_key={args.api_key!r})", flush=True)
@@ -231,8 +306,17 @@ def main() -> int:
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     server.daemon_threads = True
     server.state = State(args)  # type: ignore[attr-defined]
-    print("KV Cache is allocated. #tokens: 131072, KV size: 3.41 GB", flush=True)
-    print("Capture npu graph end. Time elapsed: 0.01 s. mem usage=0.27 GB.", flush=True)
+    if not args.no_startup_lines:
+        # the lines the guide quotes for this server (G639-643); the depool one in the
+        # format of sglang/0003's print (tuples as Python prints them)
+        print("Load weight end. elapsed=1.00 s, type=DeepseekV4ForCausalLM, avail mem=13.0 GB, "
+              "mem usage=48.32 GB.", flush=True)
+        print("[KT_STREAM][depool] reserved ND streaming slot (256, 4096, 4096)+"
+              "(256, 2048, 4096) (6.44GB) at model-load time", flush=True)
+        print("SWAC4C128KVPool mem usage: 3.41 GB", flush=True)
+        print("KV Cache is allocated. #tokens: 131072, KV size: 3.41 GB", flush=True)
+        print("Capture npu graph end. Time elapsed: 0.01 s. mem usage=0.27 GB. "
+              "avail mem=8.75 GB.", flush=True)
     print("The server is fired up and ready to roll!", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

@@ -1,13 +1,20 @@
-"""`accept` against the stand-in started by the real launcher: every mode ends in its verdict."""
+"""`accept` against the stand-in (started by the real launcher, or by hand as a server
+started elsewhere): every behaviour of a broken server ends in its verdict."""
 
 from __future__ import annotations
 
 import json
+import os
+import stat
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 from serve_helpers import (
+    STANDIN,
     context,
     free_port,
     leftovers,
@@ -19,10 +26,17 @@ from dsv4_offload import supervisor as sv
 from dsv4_offload.stage import Status
 from dsv4_offload.stages import accept, serve
 
+# small, fast versions of the delivery's method: two buckets, 16 tokens, 2 repeats
+SMALL = ["acceptance.throughput.prompt_buckets=[130, 400]",
+         "acceptance.throughput.new_tokens=16", "acceptance.throughput.repeats=2",
+         "acceptance.throughput.warmup=1", "acceptance.throughput.reference_tok_s=1",
+         "acceptance.throughput.reference_range=[1, 2]"]
 
-def _serve_then_accept(tmp_path: Path, tag: str, *args: str, **accept_options):
+
+def _serve_then_accept(tmp_path: Path, tag: str, *args: str, sets: list[str] | None = None,
+                       **accept_options):
     ws = make_workspace(tmp_path / "ws")
-    overrides = standin_overrides(tag, free_port(), *args)
+    overrides = standin_overrides(tag, free_port(), *args) + SMALL + (sets or [])
     started = serve.run(context(ws, overrides, "serve", detach=True))
     assert started.ok, started.as_dict()
     try:
@@ -35,19 +49,40 @@ def _serve_then_accept(tmp_path: Path, tag: str, *args: str, **accept_options):
     return ws, result
 
 
-def _failed_checks(result) -> list[str]:
+def _failed(result) -> list[str]:
     return [c["name"] for c in result.data["checks"] if c["ok"] is False]
 
 
-def test_good_server_passes_with_throughput_report_chart_and_provenance(tmp_path, no_leftovers):
+def _check(result, name: str) -> dict:
+    return next(c for c in result.data["checks"] if c["name"] == name)
+
+
+def _problem(result, name: str):
+    return next(p for p in result.problems if p.check == f"accept.{name}")
+
+
+def test_good_server_passes_with_the_delivery_method_report_chart_and_provenance(
+        tmp_path, no_leftovers):
     ws, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good")
     assert result.status is Status.OK, result.summary
     names = [c["name"] for c in result.data["checks"]]
-    assert names[:4] == ["GET /health", "GET /health_generate", "probe capital-zh",
-                         "probe capital-en"]
-    assert "determinism" in names and "decode throughput" in names
-    assert [b["prompt_tokens"] for b in result.data["throughput"]] == [16, 64]
-    assert all(b["tok_s"] and b["ttft_s"] is not None for b in result.data["throughput"])
+    assert names[:5] == ["GET /health", "GET /health_generate", "probe capital-zh",
+                         "probe capital-en", "determinism"]
+    assert names[5:7] == ["decode throughput", "server alive after the run"]
+    assert names[7:] == ["log has 'weights loaded'", "log has 'depool slot reserved'",
+                         "log has 'KV pool sized'", "log has 'NPU graph captured'",
+                         "log without 'streaming prefill fell back'",
+                         "log without 'GGUF dedup without a template'",
+                         "log without 'slot reserve failed at load'"]
+    buckets = result.data["throughput"]
+    assert [b["target"] for b in buckets] == [130, 400]
+    for b in buckets:  # counted in the server's own tokens, never above the bucket
+        assert b["target"] - 60 <= b["prompt_tokens"] <= b["target"], b
+        assert len(b["runs"]) == 2 and all(r["tokens"] == 16 for r in b["runs"])
+        assert b["median"] and b["min"] <= b["median"] <= b["max"]
+    tp = _check(result, "decode throughput")["data"]
+    assert (tp["chunk"], tp["chunk_source"], tp["calibrated"]) == (8192, "/get_server_info",
+                                                                   True)
     report = json.loads(Path(result.outputs["report"]).read_text())
     assert report["status"] == "ok" and report["chart"].endswith(".png")
     assert Path(report["chart"]).read_bytes()[:4] == b"\x89PNG"
@@ -58,6 +93,7 @@ def test_good_server_passes_with_throughput_report_chart_and_provenance(tmp_path
 
 @pytest.mark.parametrize(("mode", "failed", "detail"), [
     ("garbage", "probe capital-zh", "does not mention 北京"),
+    ("garbled", "probe capital-zh", "garbled text: "),
     ("repeat-char", "probe capital-en", "one character repeated"),
     ("empty-200", "probe capital-zh", "empty text with HTTP 200"),
     ("nondeterministic", "determinism", "greedy answers differ"),
@@ -65,30 +101,127 @@ def test_good_server_passes_with_throughput_report_chart_and_provenance(tmp_path
 def test_bad_answers_fail_with_the_reason(tmp_path, no_leftovers, mode, failed, detail):
     ws, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", mode)
     assert result.status is Status.FAILED
-    assert failed in _failed_checks(result)
-    check = next(c for c in result.data["checks"] if c["name"] == failed)
-    assert detail in check["detail"]
-    last = result.data["checks"][-1]
-    assert (last["name"], last["status"], last["detail"]) == (
-        "decode throughput", "skipped", "skipped: earlier checks failed")
+    assert failed in _failed(result)
+    assert detail in _check(result, failed)["detail"]
+    assert _check(result, "decode throughput")["detail"] == "skipped: earlier checks failed"
+    assert "\n" not in _problem(result, failed).message  # one clear line
     prov = json.loads(ws.provenance_file.read_text())
     assert prov["acceptance"]["status"] == "failed"
+
+
+def test_a_coherent_answer_cycling_one_sentence_passes_with_a_note(tmp_path, no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "sentence-loop")
+    assert result.status is Status.OK, result.summary
+    for probe in ("probe capital-zh", "probe capital-en"):
+        check = _check(result, probe)
+        assert check["ok"] and "-token sentence" in check["data"]["note"], check
+
+
+def test_a_bucket_longer_than_the_servers_chunk_is_skipped_with_how_to_measure_it(
+        tmp_path, no_leftovers):
+    # the recipe says 8192, the server itself says 512: a 1000-token prompt would kill it
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", "--chunk", "512",
+                                   sets=["acceptance.throughput.prompt_buckets=[130, 1000]"])
+    assert result.status is Status.WARN, result.summary
+    buckets = {b["target"]: b for b in result.data["throughput"]}
+    assert buckets[130]["median"] and buckets[130]["prompt_tokens"] <= 130
+    why = buckets[1000]["skipped"]
+    assert "chunked prefill 512 (/get_server_info)" in why
+    assert "CHUNKED_PREFILL_SIZE=32768" in why
+    assert _check(result, "server alive after the run")["ok"]  # nothing crossed the chunk
+    note = _problem(result, "throughput")
+    assert note.severity == "warning" and note.message.startswith("bucket 1000 skipped: ")
+
+
+def test_without_server_info_the_chunk_comes_from_the_serve_record(tmp_path, no_leftovers):
+    sets = ["serve.chunked_prefill_size=512", "serve.longest_prompt_tokens=256",
+            "acceptance.throughput.prompt_buckets=[130, 1000]"]
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--no-server-info", sets=sets)
+    tp = _check(result, "decode throughput")["data"]
+    assert (tp["chunk"], tp["chunk_source"]) == (512, "the serve record's command line")
+    assert "chunked prefill 512" in result.data["throughput"][1]["skipped"]
+    assert _check(result, "server alive after the run")["ok"]
+
+
+def test_the_fallback_only_long_prompts_cause_is_caught_in_the_log(tmp_path, no_leftovers):
+    # prompts of >= 330 tokens log sglang/0003's fallback line: the 400 bucket's warm-up and
+    # 2 runs (the calibration prompts are shorter)
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--fallback-over", "330")
+    assert result.status is Status.FAILED
+    assert _failed(result) == ["log without 'streaming prefill fell back'"]
+    check = _check(result, "log without 'streaming prefill fell back'")
+    assert check["detail"].startswith("3x, first: \"[") and "hybrid fallback" in check["detail"]
+    assert _check(result, "decode throughput")["ok"]  # the throughput itself was fine
+
+
+def test_a_log_without_the_guides_lines_fails_each_with_its_fix(tmp_path, no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--no-startup-lines")
+    assert result.status is Status.FAILED
+    assert _failed(result) == ["log has 'weights loaded'", "log has 'depool slot reserved'",
+                               "log has 'KV pool sized'", "log has 'NPU graph captured'"]
+    assert "5x slower" in _check(result, "log has 'NPU graph captured'")["fix"]
+    assert "AscendC op" in _check(result, "log has 'depool slot reserved'")["fix"]
+
+
+def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_leftovers):
+    # streamed answer 5 is bucket 400's first run: each bucket streams a warm-up and 2 runs
+    # (the probes and the calibration are not streamed)
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--die-in-stream", "5")
+    assert result.status is Status.FAILED
+    assert "decode throughput" in _failed(result)
+    assert "server alive after the run" in _failed(result)
+    problem = _problem(result, "decode throughput")
+    assert problem.message.startswith(
+        f"decode throughput: bucket 400 tokens: run 1: {result.data['url']}/generate: the "
+        "stream ended after ")
+    assert problem.message.endswith(" tokens without [DONE] (is the server up?)")
+    assert "dying in the middle of streamed answer 5" in problem.fix  # the log's last lines
+
+
+def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_path,
+                                                                          no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--hang-in-stream", "2")
+    assert result.status is Status.FAILED
+    assert result.data["elapsed"] < 20  # request_timeout_s is 5 in these tests
+    problem = _problem(result, "decode throughput")
+    assert problem.message.startswith("decode throughput: bucket 130 tokens: run 1: ")
+    assert "the stream broke after" in problem.message
+    assert "hanging in the middle of streamed answer 2" in problem.fix
+
+
+def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, no_leftovers):
+    slow = ["--token-delay", "0.05"]  # ~20 tok/s
+    sets = ["acceptance.throughput.reference_tok_s=100",
+            "acceptance.throughput.reference_range=[100, 120]"]
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *slow, sets=sets)
+    assert result.status is Status.FAILED
+    problem = _problem(result, "decode throughput")
+    assert problem.severity == "error"
+    assert problem.message.startswith("decode throughput: bucket ")
+    assert "below the reference 100" in problem.message
+    _, result = _serve_then_accept(tmp_path / "nogate", no_leftovers, "--mode", "good", *slow,
+                                   sets=sets, no_throughput_gate=True)
+    assert result.status is Status.WARN
+    assert _problem(result, "decode throughput").severity == "warning"
 
 
 def test_server_crashing_mid_acceptance_is_reported(tmp_path, no_leftovers):
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "crash-after",
                                    "--crash-after", "1")
     assert result.status is Status.FAILED
-    check = next(c for c in result.data["checks"] if c["name"] == "server answers")
-    assert "is the server up?" in check["detail"]
+    assert "is the server up?" in _check(result, "server answers")["detail"]
 
 
 def test_hanging_server_fails_within_the_request_timeout(tmp_path, no_leftovers):
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "hang")
     assert result.status is Status.FAILED
     assert result.data["elapsed"] < 15  # request_timeout_s is 5 in these tests
-    check = next(c for c in result.data["checks"] if c["name"] == "server answers")
-    assert "no answer within 5s" in check["detail"]
+    assert "no answer within 5s" in _check(result, "server answers")["detail"]
 
 
 def test_openai_api_with_a_chat_probe_file(tmp_path, no_leftovers):
@@ -103,17 +236,10 @@ def test_openai_api_with_a_chat_probe_file(tmp_path, no_leftovers):
     assert result.status is Status.OK, result.summary
     names = [c["name"] for c in result.data["checks"]]
     assert names[:3] == ["GET /v1/models", "probe fr-chat", "probe fr"]
-
-
-def test_missing_log_markers_fail(tmp_path, no_leftovers):
-    ws = make_workspace(tmp_path / "ws")
-    log = tmp_path / "other.log"
-    log.write_text("KV Cache is allocated. #tokens: 5\n[KT_STREAM] streaming failed\n")
-    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", log=str(log))
-    assert result.status is Status.FAILED
-    assert _failed_checks(result) == ["log has 'Capture .*graph end'",
-                                      "log without 'streaming failed'"]
-    del ws
+    # no /get_server_info on the OpenAI path: the serve record gives the chunk
+    assert _check(result, "decode throughput")["data"]["chunk_source"] == (
+        "the serve record's command line")
+    assert all(b["prompt_tokens"] <= b["target"] for b in result.data["throughput"])
 
 
 def test_accept_without_a_server_fails_fast(tmp_path):
@@ -122,3 +248,161 @@ def test_accept_without_a_server_fails_fast(tmp_path):
     result = accept.run(ctx)
     assert result.status is Status.FAILED
     assert "is the server up?" in result.problems[0].message
+
+
+# --- a server started elsewhere (the delivery's script, a container): --server-log -----------
+
+
+def _standin_elsewhere(tmp_path: Path, tag: str, *args: str) -> tuple[subprocess.Popen, str, Path]:
+    port = free_port()
+    log = tmp_path / "kt_serve.log"
+    fh = open(log, "w")  # noqa: SIM115 - the server writes it until the test stops it
+    proc = subprocess.Popen([sys.executable, str(STANDIN), "--tag", tag, "--port", str(port),
+                             *args], stdout=fh, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL)
+    fh.close()
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(100):
+        if "fired up" in log.read_text():
+            break
+        time.sleep(0.05)
+    return proc, url, log
+
+
+def _cli_accept(tmp_path: Path, url: str, *args: str, env: dict[str, str] | None = None):
+    sets = [a for s in SMALL + ["acceptance.request_timeout_s=5"] for a in ("--set", s)]
+    return run_cli("--workspace", str(tmp_path / "ws"), *sets, "--json", "accept", "--url", url,
+                   *args, env=env, timeout=120)
+
+
+def test_server_log_of_a_server_started_elsewhere_is_read_after_the_long_prompts(
+        tmp_path, no_leftovers):
+    proc, url, log = _standin_elsewhere(tmp_path, no_leftovers, "--fallback-over", "330")
+    try:
+        result = _cli_accept(tmp_path, url, "--server-log", str(log), "--quick")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert result.code == 1, result
+    doc = result.json()["data"]
+    failed = [c["name"] for c in doc["data"]["checks"] if c["ok"] is False]
+    assert failed == ["log without 'streaming prefill fell back'"]
+    assert doc["data"]["log"] == str(log)
+    tp = next(c for c in doc["data"]["checks"] if c["name"] == "decode throughput")
+    assert tp["data"]["quick"] and tp["data"]["repeats"] == 1
+    assert "error: " not in result.err
+
+
+def test_server_log_that_does_not_exist_is_one_clear_error(tmp_path):
+    result = _cli_accept(tmp_path, "http://127.0.0.1:9", "--server-log", str(tmp_path / "no"))
+    assert result.code == 2
+    assert result.err.strip().splitlines() == [
+        f"error: --server-log {tmp_path / 'no'}: no such file; give the log the server writes "
+        "(e.g. `... 2>&1 | tee /tmp/kt_serve.log`)"]
+
+
+# --- GPQA-diamond through evalscope -----------------------------------------------------------
+
+# A stand-in for the `evalscope` executable: records its arguments, then writes the report
+# where evalscope does (<work-dir>/<timestamp>/reports/<model>/gpqa_diamond.json: the
+# evaluator's get_report_path + benchmark name) with the fields of evalscope's Report model
+# (evalscope/report/report.py: name, dataset_name, model_name, score = the first metric's
+# score, a 0-1 accuracy; metrics -> categories -> subsets).
+FAKE_EVALSCOPE = """\
+#!{python}
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+calls = Path(os.environ["FAKE_EVALSCOPE_CALLS"])
+with open(calls, "a") as fh:
+    fh.write(json.dumps(args) + "\\n")
+n = len(calls.read_text().splitlines())
+scores = os.environ["FAKE_GPQA_SCORES"].split(",")
+score = scores[n - 1]
+if score == "fail":
+    print("Traceback: connection refused", file=sys.stderr)
+    sys.exit(1)
+work = Path(args[args.index("--work-dir") + 1])
+model = args[args.index("--model") + 1]
+s = float(score)
+subset = {{"name": "default", "score": s, "num": 198, "is_aggregate": False}}
+category = {{"name": ["default"], "num": 198, "score": s, "macro_score": s,
+            "subsets": [subset]}}
+report = {{"name": "gpqa_diamond_report", "dataset_name": "gpqa_diamond",
+          "dataset_pretty_name": "GPQA-Diamond", "dataset_description": "",
+          "model_name": model, "score": s,
+          "metrics": [{{"name": "mean_acc", "num": 198, "score": s, "macro_score": s,
+                       "categories": [category]}}],
+          "analysis": "N/A", "perf_metrics": None, "num": 198}}
+out = work / "20261203_041500" / "reports" / os.path.basename(model) / "gpqa_diamond.json"
+out.parent.mkdir(parents=True)
+out.write_text(json.dumps(report, indent=4))
+"""
+
+
+def _fake_evalscope(tmp_path: Path, scores: str) -> dict[str, str]:
+    bindir = tmp_path / "bin"
+    bindir.mkdir(parents=True)
+    exe = bindir / "evalscope"
+    exe.write_text(FAKE_EVALSCOPE.format(python=sys.executable))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR)
+    return {"PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}",
+            "FAKE_EVALSCOPE_CALLS": str(tmp_path / "calls.jsonl"), "FAKE_GPQA_SCORES": scores}
+
+
+def test_gpqa_runs_the_delivery_procedure_through_evalscope(tmp_path, no_leftovers):
+    env = _fake_evalscope(tmp_path, "0.6919,0.7273,0.7323")  # the guide's 910B rounds (G436)
+    proc, url, log = _standin_elsewhere(tmp_path, no_leftovers)
+    try:
+        result = _cli_accept(tmp_path, url, "--quick", "--gpqa", "3", "--server-log", str(log),
+                             env=env)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert result.code == 0, result
+    checks = result.json()["data"]["data"]["checks"]
+    gpqa = next(c for c in checks if c["name"] == "GPQA-diamond")
+    assert gpqa["ok"], gpqa
+    assert gpqa["data"]["rounds"] == [69.19, 72.73, 73.23]
+    assert (gpqa["data"]["mean"], gpqa["data"]["sd"]) == (71.72, 1.8)  # the guide's G439-441
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    assert len(calls) == 3
+    work = calls[0][calls[0].index("--work-dir") + 1]
+    assert work.endswith("/R1")
+    # gpqa_accuracy_repeat.sh L88-92, flag for flag
+    assert calls[0] == [
+        "eval", "--model", "standin", "--api-url", f"{url}/v1/chat/completions",
+        "--api-key", "EMPTY", "--eval-type", "openai_api", "--datasets", "gpqa_diamond",
+        "--generation-config", '{"temperature":1,"top_p":1,"max_tokens":32768,"extra_body":'
+        '{"chat_template_kwargs":{"thinking":false,"high_effort":false}}}',
+        "--eval-batch-size", "1", "--repeats", "1", "--work-dir", work]
+
+
+def test_gpqa_fails_on_a_failed_round_or_a_low_mean(tmp_path, no_leftovers):
+    proc, url, log = _standin_elsewhere(tmp_path, no_leftovers)
+    try:
+        failed = _cli_accept(tmp_path / "a", url, "--quick", "--gpqa", "2",
+                             env=_fake_evalscope(tmp_path / "a", "0.7,fail"))
+        low = _cli_accept(tmp_path / "b", url, "--quick", "--gpqa", "2",
+                          env=_fake_evalscope(tmp_path / "b", "0.60,0.62"))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert failed.code == 1, failed
+    check = next(c for c in failed.json()["data"]["data"]["checks"]
+                 if c["name"] == "GPQA-diamond")
+    assert check["detail"].startswith("round(s) [2] failed; 1 of 2 rounds: mean 70.0%")
+    assert low.code == 1, low
+    check = next(c for c in low.json()["data"]["data"]["checks"] if c["name"] == "GPQA-diamond")
+    assert "mean 61.0%" in check["detail"] and check["required"].startswith("mean >= 71.7%")
+
+
+def test_gpqa_without_evalscope_is_one_line_with_the_install_command(tmp_path):
+    bindir = tmp_path / "empty-bin"
+    bindir.mkdir()
+    result = _cli_accept(tmp_path, "http://127.0.0.1:9", "--gpqa", "1",
+                         env={"PATH": str(bindir), "EVALSCOPE": ""})
+    assert result.code == 2
+    assert result.err.strip().splitlines() == [
+        "error: accept --gpqa: evalscope is not installed; pip install evalscope "
+        "(or set EVALSCOPE=/path/to/evalscope)"]

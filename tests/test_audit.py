@@ -36,7 +36,7 @@ def ws(tmp_path: Path) -> Path:
                             "archive/csrc/setup.py": KT_BUILD,
                             ".gitignore": "third_party/llama.cpp/\nthird_party/pybind11/\n"})
     commit_repo(root / "src/cann-recipes-infer", {
-        f"{DELIVERY_DIR}/README.md": "Look for 'KV Cache is allocated' in the log.\n",
+        f"{DELIVERY_DIR}/README.md": "Look for 'SWAC4C128KVPool mem usage: 3.41 GB' in the log.\n",
         f"{DELIVERY_DIR}/sglang/0003-x.patch": "+    logger.info('Capture npu graph end')\n",
         f"{DELIVERY_DIR}/scripts/tools/check.sh": 'echo "NPU OUT OF MEMORY: lower experts"\n',
     })
@@ -101,8 +101,8 @@ def test_parts_of_a_marker_in_different_files_do_not_count(ws: Path) -> None:
 
 def test_an_absent_tree_leaves_markers_unchecked_never_passed(ws: Path) -> None:
     report = run_audit(ws)
-    kv = by_marker(report, "KV Cache is allocated")  # only in a README: prose is not searched
-    capture = by_marker(report, "Capture .*graph end")  # only in a patch file: not searched
+    kv = by_marker(report, "SWAC4C128KVPool mem usage:")  # only in a README: prose isn't searched
+    capture = by_marker(report, "Capture npu graph end")  # only in a patch file: not searched
     for item in (kv, capture):
         assert item.verdict == audit.UNCHECKED and item.severity == "warning"
         assert "absent: sglang, custom_flashinfer" in item.detail
@@ -110,12 +110,13 @@ def test_an_absent_tree_leaves_markers_unchecked_never_passed(ws: Path) -> None:
         f"{ws / KT / 'third_party/sglang'} is not a git checkout (run `dsv4-offload fetch`)")
     # sglang laid out: what it prints is found, what nothing prints is an error
     commit_repo(ws / KT / "third_party/sglang",
-                {"python/sglang/srt/pool.py": 'logger.info("KV Cache is allocated. #tokens")\n'})
+                {"python/sglang/srt/pool.py":
+                 'logger.info(f"SWAC4C128KVPool mem usage: {gb:.2f} GB")\n'})
     commit_repo(ws / KT / "third_party/custom_flashinfer", {"setup.py": "pass\n"})
     report = run_audit(ws)
-    kv = by_marker(report, "KV Cache is allocated")
+    kv = by_marker(report, "SWAC4C128KVPool mem usage:")
     assert kv.where == "sglang/python/sglang/srt/pool.py:1"
-    capture = by_marker(report, "Capture .*graph end")
+    capture = by_marker(report, "Capture npu graph end")
     assert (capture.verdict, capture.severity) == (audit.MISSING, "error")
 
 
@@ -149,7 +150,7 @@ def test_patch_audit_command_json_and_exit_codes(ws: Path) -> None:
     assert doc["command"] == "patch audit" and doc["status"] == "warn"  # unchecked ones
     verdicts = {m["marker"]: m["verdict"] for m in doc["data"]["markers"]}
     assert verdicts[r"Ascend NPU \(CANN\) backend selected"] == "found"
-    assert verdicts["KV Cache is allocated"] == "unchecked"
+    assert verdicts["SWAC4C128KVPool mem usage:"] == "unchecked"
     bad = run_cli("--workspace", str(ws), "--set",
                   "build.steps.0.expect_markers.6=Found Ascend CL library", "patch", "audit")
     assert bad.code == 1

@@ -8,6 +8,7 @@ replaced by noise must fail the coherence checks.
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import shutil
@@ -19,6 +20,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 from serve_helpers import free_port, leftovers, make_workspace
+
+from dsv4_offload.probes import check_log_markers
+from dsv4_offload.recipe import load_recipe
 
 pytestmark = pytest.mark.slow
 
@@ -42,6 +46,14 @@ probes:
     max_new_tokens: 16
 determinism_probe: capital-chat
 """
+# The recipe's log markers are patched sglang's; this server is llama.cpp's, so accept is
+# given llama.cpp's own lines (--require-line / --forbid-line replace the recipe's). Their
+# texts are this server's real output: llama.cpp's loader line, uvicorn's startup and access
+# lines (a failed request is logged as '... HTTP/1.1" 500 Internal Server Error').
+PEER_REQUIRED = [r"llama_model_loader: loaded meta data with \d+ key-value pairs",
+                 r"Uvicorn running on http://127\.0\.0\.1:\d+",
+                 r'"POST /v1/chat/completions HTTP/1\.1" 200 OK']
+PEER_FORBIDDEN = [r'HTTP/1\.1" 5\d\d ', r"Traceback \(most recent call last\)"]
 
 
 def cache_dir() -> Path:
@@ -137,27 +149,30 @@ def _serve_and_accept(tmp_path: Path, tag: str, python: Path, model: Path):
     sets = [f"serve.command=[{quoted}]", "serve.pass_flags=false", "serve.host=127.0.0.1",
             f"serve.port={free_port()}", "serve.health_paths=[/v1/models]",
             "serve.readiness_timeout_s=180", "serve.stop_timeout_s=5",
-            "acceptance.request_timeout_s=120", "acceptance.log_markers_required=[]",
-            "acceptance.throughput.prompt_buckets=[32, 256]",
+            "acceptance.request_timeout_s=120",
+            "acceptance.throughput.prompt_buckets=[130, 400]",
             "acceptance.throughput.new_tokens=32", "acceptance.throughput.repeats=2"]
     base = ["--workspace", str(ws.root), *[a for s in sets for a in ("--set", s)]]
     env = {"DSV4_HOST_ROOT": str(Path(__file__).parent / "fixtures" / "hosts" / "x86-no-npu")}
     started = run_cli(*base, "serve", "--detach", env=env, timeout=300)
     assert started.code == 0, started
+    record = json.loads(ws.serve_record.read_text())
+    lines = [a for p in PEER_REQUIRED for a in ("--require-line", p)]
+    lines += [a for p in PEER_FORBIDDEN for a in ("--forbid-line", p)]
     try:
         result = run_cli(*base, "--json", "accept", "--api", "openai", "--probes", str(probes),
-                         env=env, timeout=600)
+                         "--server-log", record["log"], *lines, env=env, timeout=600)
     finally:
         stopped = run_cli(*base, "serve", "stop", env=env)
     assert stopped.code == 0, stopped
     assert run_cli(*base, "serve", "status", env=env).code == 1  # the server is gone
     assert not leftovers(tag)
-    return result
+    return result, Path(record["log"])
 
 
 def test_real_peer_passes_accept_and_reports_tok_s(tmp_path, no_leftovers, peer_python,
                                                    smollm2):
-    result = _serve_and_accept(tmp_path, no_leftovers, peer_python, smollm2)
+    result, log = _serve_and_accept(tmp_path, no_leftovers, peer_python, smollm2)
     assert result.code == 0, result
     doc = result.json()["data"]
     checks = {c["name"]: c for c in doc["data"]["checks"]}
@@ -166,6 +181,19 @@ def test_real_peer_passes_accept_and_reports_tok_s(tmp_path, no_leftovers, peer_
     assert checks["determinism"]["ok"]
     assert doc["outputs"]["decode_tok_s"] > 0
     assert Path(doc["outputs"]["chart"]).is_file()
+    # prompts counted in the server's own tokens (usage.prompt_tokens), never above a bucket
+    for bucket in doc["data"]["throughput"]:
+        assert bucket["target"] - 80 <= bucket["prompt_tokens"] <= bucket["target"], bucket
+    # the log was read (after the throughput requests), with llama.cpp's own lines
+    assert doc["data"]["log"] == str(log)
+    log_checks = [c for c in doc["data"]["checks"] if c["name"].startswith("log ")]
+    assert len(log_checks) == len(PEER_REQUIRED) + len(PEER_FORBIDDEN)
+    assert all(c["ok"] for c in log_checks), log_checks
+    # and the recipe's sglang markers could not have applied to this log: none is in it
+    acc = load_recipe().acceptance
+    text = log.read_text(errors="replace")
+    assert [c.ok for c in check_log_markers(text, acc.log_markers_required, [], "log")] == [
+        False] * len(acc.log_markers_required)
     print(f"real peer: {doc['summary']}")
 
 
@@ -176,7 +204,7 @@ def test_real_peer_with_scrambled_tensors_fails_coherence(tmp_path, no_leftovers
 
     # the metadata is intact: only the tensor bytes changed
     assert GGUFReader(str(noisy)).fields.keys() == GGUFReader(str(smollm2)).fields.keys()
-    result = _serve_and_accept(tmp_path, no_leftovers, peer_python, noisy)
+    result, _ = _serve_and_accept(tmp_path, no_leftovers, peer_python, noisy)
     assert result.code == 1, result
     doc = result.json()["data"]
     failed = [c["name"] for c in doc["data"]["checks"] if c["ok"] is False]

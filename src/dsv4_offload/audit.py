@@ -299,9 +299,10 @@ def wanted_markers(recipe: Recipe, series: Series, *, steps: Sequence[str] | Non
     tree = serve_tree(recipe, series)
     acc = recipe.acceptance
     if "accept" not in skipped:
-        out += [_Wanted("required", "acceptance.log_markers_required", m, 0, tree)
+        out += [_Wanted("required", "acceptance.log_markers_required", m.pattern, 0, tree)
                 for m in acc.log_markers_required]
-        out += [_Wanted("forbidden", "acceptance.log_markers_forbidden", m, 0, tree)
+        out += [_Wanted("forbidden", "acceptance.log_markers_forbidden", m.pattern, 0,
+                         tree)
                 for m in acc.log_markers_forbidden]
     if "serve" not in skipped:
         out += [_Wanted("fatal", f"supervisor.FATAL_PATTERNS[{key}]", p, flags, tree)

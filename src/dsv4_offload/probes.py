@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import json
 import re
-import statistics
 import time
-from collections import Counter
-from collections.abc import Iterator, Sequence
+import unicodedata
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,18 +18,32 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import requests
 
-    from dsv4_offload.recipe import Degeneration, Probe, Throughput
+    from dsv4_offload.recipe import Degeneration, LogMarker, Probe, Throughput
 
 # one token per CJK character, word or punctuation mark: good enough to spot repetition
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]|\w+|[^\w\s]")
 _NAN = re.compile(r"(?<![\w])nan(?![\w])", re.I)
 REPLACEMENT_CHAR = "\ufffd"
-# common words: a filler prompt of N of them is close to N tokens for any BPE vocabulary
+# Filler for the throughput prompts: sentences of our own, one cycle of them is the unit the
+# calibration counts in the server's tokens (a cycle always tokenizes the same way).
 _FILLER = (
-    "the", "report", "shows", "that", "each", "team", "in", "the", "city", "made", "a", "plan",
-    "for", "the", "new", "year", "and", "wrote", "down", "what", "they", "would", "change", "in",
-    "the", "way", "they", "work", "with", "one", "another",
+    "The survey team walked the old canal from the harbour to the mill and noted every lock.",
+    "Most of the gates still opened, although two of them needed new hinges before winter.",
+    "Farmers along the bank said the water level had dropped a little each dry summer.",
+    "The engineers measured the flow at dawn and again at dusk for a whole week in June.",
+    "A small museum near the bridge keeps the drawings that were made when it was built.",
+    "Children from the village school visited the site and wrote short reports about it.",
+    "The council agreed to repair the towpath first, because walkers use it every day.",
+    "In the final chapter the team listed the costs and the order in which to do the work.",
 )
+_FILLER_QUESTION = ("\n\nQuestion: summarise the passage above in several detailed paragraphs, "
+                    "then list the repairs in the order the team proposed.\nAnswer:")
+
+
+def filler_prompt(sentences: int) -> str:
+    """A prompt of ``sentences`` filler sentences (cycling) and a closing question."""
+    body = " ".join(_FILLER[i % len(_FILLER)] for i in range(max(1, sentences)))
+    return body + _FILLER_QUESTION
 
 
 def api_key_headers(api_key_file: str | Path | None) -> dict[str, str]:
@@ -56,11 +69,19 @@ class Reply:
     status: int
     seconds: float
     ttft: float | None = None  # seconds to the first streamed token
-    tokens: int = 0
+    tokens: int = 0  # completion tokens: the server's count when it gives one
     decode_seconds: float | None = None  # first to last streamed token
+    prompt_tokens: int | None = None  # the server's count of the prompt
+    error: str = ""  # an error the server reported inside an HTTP 200 stream
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
 
     @property
     def decode_tok_s(self) -> float | None:
+        # the delivery's rate: (n - 1) / (t_last - t_first) over streamed tokens
+        # (decode_throughput_test.sh L224-227)
         if self.tokens < 2 or not self.decode_seconds:
             return None
         return (self.tokens - 1) / self.decode_seconds
@@ -74,9 +95,13 @@ class Check:
     fix: str = ""
     data: dict[str, Any] = field(default_factory=dict)
     required: str = ""
+    gate: bool = True  # False: a failure is reported as a warning only
+    warning: bool = False  # passed, with something the user must read (the fix says what)
 
     @property
     def status(self) -> str:
+        if (self.ok is False and not self.gate) or (self.ok and self.warning):
+            return "warn"
         return {True: "pass", False: "fail", None: "skipped"}[self.ok]
 
     def as_dict(self) -> dict[str, Any]:
@@ -93,7 +118,7 @@ class ServerClient:
     """Greedy and streamed generation over sglang's `/generate` or the OpenAI endpoints."""
 
     def __init__(self, url: str, api: str = "native", model: str | None = None,
-                 timeout: float = 300) -> None:
+                 timeout: float = 300, headers: dict[str, str] | None = None) -> None:
         import requests
 
         self.url = url.rstrip("/")
@@ -102,42 +127,73 @@ class ServerClient:
         self.timeout = timeout
         self.session = requests.Session()
         self.session.trust_env = False  # proxies never apply to the server under test
+        self._extra_headers = dict(headers or {})
+
+    def headers(self) -> dict[str, str]:
+        """Every request's headers: the one place an API key (serve --api-key-file) goes."""
+        return {"Content-Type": "application/json", **self._extra_headers}
 
     def get(self, path: str) -> tuple[int, float]:
         t0 = time.monotonic()
         resp = self._request("GET", path)
         return resp.status_code, time.monotonic() - t0
 
-    def generate(self, prompt: str, max_tokens: int, chat: bool = False) -> Reply:
+    def get_json(self, path: str) -> dict[str, Any] | None:
+        """A GET answered with a JSON object, or None (404, not JSON: another server)."""
+        resp = self._request("GET", path)
+        if resp.status_code != 200:
+            return None
+        try:
+            doc = resp.json()
+        except ValueError:
+            return None
+        return doc if isinstance(doc, dict) else None
+
+    def generate(self, prompt: str, max_tokens: int, chat: bool = False,
+                 ignore_eos: bool = False) -> Reply:
         t0 = time.monotonic()
-        path, body = self._body(prompt, max_tokens, chat, stream=False)
+        path, body = self._body(prompt, max_tokens, chat, stream=False, ignore_eos=ignore_eos)
         resp = self._request("POST", path, body)
         seconds = time.monotonic() - t0
         if resp.status_code != 200:
-            return Reply(f"HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code, seconds)
+            return Reply(f"HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code, seconds,
+                         error=_error_text(resp.text))
         try:
             doc = resp.json()
             text = self._text(doc, chat)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"{self.url}{path}: unexpected answer ({exc!r}): "
                              f"{resp.text[:200]}") from None
-        return Reply(text, 200, seconds)
+        prompt_tokens, completion = self._counts(doc)
+        return Reply(text, 200, seconds, tokens=completion or 0, prompt_tokens=prompt_tokens)
 
     def stream(self, prompt: str, max_tokens: int, chat: bool = False,
                ignore_eos: bool = True) -> Reply:
-        """Streamed generation, timing the first and the last token."""
+        """Streamed generation, timing the first and the last token as the delivery does."""
         path, body = self._body(prompt, max_tokens, chat, stream=True, ignore_eos=ignore_eos)
         t0 = time.monotonic()
         resp = self._request("POST", path, body, stream=True)
         if resp.status_code != 200:
-            return Reply(f"HTTP {resp.status_code}", resp.status_code, time.monotonic() - t0)
-        text, tokens = "", 0
+            text = resp.text[:200]
+            resp.close()
+            return Reply(f"HTTP {resp.status_code}: {text}", resp.status_code,
+                         time.monotonic() - t0, error=_error_text(text))
+        text, pieces, error = "", 0, ""
         first: float | None = None
         last = 0.0
         counted: int | None = None
+        prompt_tokens: int | None = None
+        done: list[bool] = []
         try:
-            for event in _sse_events(resp):
+            for event in _sse_events(resp, done):
+                if event.get("error"):
+                    # sglang reports a failed streamed request as an error event inside the
+                    # HTTP 200 stream (http_server.py generate_request, stream_results)
+                    error = _error_text(json.dumps(event["error"]))
+                    break
                 piece, total = self._stream_piece(event, chat, text)
+                p_tok, _ = self._counts(event)
+                prompt_tokens = p_tok or prompt_tokens
                 if total is not None:
                     counted = total
                 if not piece:
@@ -145,16 +201,22 @@ class ServerClient:
                 now = time.monotonic()
                 first = first if first is not None else now
                 last = now
-                tokens += 1
+                pieces += 1
                 text += piece
         except _REQUEST_ERRORS() as exc:
-            raise ServerUnreachable(f"{self.url}{path}: stream broke ({type(exc).__name__})"
-                                    ) from None
+            raise ServerUnreachable(f"{self.url}{path}: the stream broke after {pieces} "
+                                    f"tokens ({type(exc).__name__})") from None
         finally:
             resp.close()
-        ntok = counted if counted else tokens
+        if not done and not error:
+            # sglang and OpenAI servers end every stream with "data: [DONE]"
+            # (http_server.py stream_results): without it the server went away
+            raise ServerUnreachable(f"{self.url}{path}: the stream ended after {pieces} "
+                                    "tokens without [DONE] (is the server up?)")
         return Reply(text, 200, time.monotonic() - t0, ttft=None if first is None else first - t0,
-                     tokens=ntok, decode_seconds=None if first is None else last - first)
+                     tokens=counted if counted else pieces,
+                     decode_seconds=None if first is None else last - first,
+                     prompt_tokens=prompt_tokens, error=error)
 
     def _body(self, prompt: str, max_tokens: int, chat: bool, stream: bool,
               ignore_eos: bool = False) -> tuple[str, dict[str, Any]]:
@@ -163,8 +225,11 @@ class ServerClient:
             if ignore_eos:
                 params["ignore_eos"] = True  # fixed-length decode for throughput
             return "/generate", {"text": prompt, "sampling_params": params, "stream": stream}
-        common = {"model": self.model, "max_tokens": max_tokens, "temperature": 0,
-                  "stream": stream}
+        common: dict[str, Any] = {"model": self.model, "max_tokens": max_tokens,
+                                  "temperature": 0, "stream": stream}
+        if stream:
+            # OpenAI servers count tokens in a last usage chunk only when asked
+            common["stream_options"] = {"include_usage": True}
         if chat:
             return "/v1/chat/completions", {
                 "messages": [{"role": "user", "content": prompt}], **common}
@@ -176,6 +241,19 @@ class ServerClient:
             return str(doc["text"])
         choice = doc["choices"][0]
         return str(choice["message"]["content"] if chat else choice["text"]) or ""
+
+    def _counts(self, doc: Any) -> tuple[int | None, int | None]:
+        """(prompt tokens, completion tokens) as the server counted them, when it says."""
+        doc = doc[0] if isinstance(doc, list) and doc else doc
+        if not isinstance(doc, dict):
+            return None, None
+        # sglang: meta_info.prompt_tokens / completion_tokens (decode_throughput_test.sh
+        # L210-214); OpenAI: usage.prompt_tokens / completion_tokens
+        meta = doc.get("meta_info") if self.api == "native" else doc.get("usage")
+        if not isinstance(meta, dict):
+            return None, None
+        p, c = meta.get("prompt_tokens"), meta.get("completion_tokens")
+        return (p if isinstance(p, int) else None), (c if isinstance(c, int) else None)
 
     def _stream_piece(self, event: dict[str, Any], chat: bool, so_far: str
                       ) -> tuple[str, int | None]:
@@ -196,7 +274,8 @@ class ServerClient:
                  stream: bool = False) -> requests.Response:
         try:
             return self.session.request(method, self.url + path, json=body,
-                                        timeout=self.timeout, stream=stream)
+                                        headers=self.headers(), timeout=self.timeout,
+                                        stream=stream)
         except _REQUEST_ERRORS() as exc:
             import requests
 
@@ -205,19 +284,35 @@ class ServerClient:
             raise ServerUnreachable(f"{method} {self.url}{path}: {why}") from None
 
 
+def _error_text(raw: str) -> str:
+    """The message of a server's error body ({"error": {"message": ...}} or plain text)."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return " ".join(raw.split())[:200] or "error"
+    if isinstance(doc, dict):
+        inner = doc.get("error", doc)
+        if isinstance(inner, dict):
+            return str(inner.get("message") or inner)[:200]
+        return str(inner)[:200]
+    return str(doc)[:200]
+
+
 def _REQUEST_ERRORS() -> tuple[type[BaseException], ...]:
     import requests
 
     return (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
 
 
-def _sse_events(resp: requests.Response) -> Iterator[dict[str, Any]]:
+def _sse_events(resp: requests.Response, done: list[bool]) -> Iterator[dict[str, Any]]:
+    """The JSON events of a server-sent stream; ``done`` gets True at ``data: [DONE]``."""
     for raw in resp.iter_lines(decode_unicode=False):
         line = raw.decode("utf-8", errors="replace").strip() if raw else ""
         if not line.startswith("data:"):
             continue
         payload = line[5:].strip()
         if payload == "[DONE]":
+            done.append(True)
             return
         try:
             event = json.loads(payload)
@@ -234,8 +329,97 @@ def tokens_of(text: str) -> list[str]:
     return _TOKEN.findall(text)
 
 
+@dataclass
+class Loop:
+    """A stretch where the text repeats a unit of ``period`` tokens ``repeats`` times."""
+
+    period: int
+    repeats: float
+    start: int  # token index
+    unit: list[str]
+
+    @property
+    def shown(self) -> str:
+        return _short(" ".join(self.unit), 60)
+
+
+def find_loops(tokens: Sequence[str], max_period: int = 64) -> list[Loop]:
+    """Each period's longest adjacent repetition (a unit followed by itself at least once)."""
+    loops = []
+    n = len(tokens)
+    for period in range(1, min(max_period, n // 2) + 1):
+        best_run, best_end, run = 0, 0, 0
+        for i in range(n - period):
+            run = run + 1 if tokens[i] == tokens[i + period] else 0
+            if run > best_run:
+                best_run, best_end = run, i
+        if best_run < period:  # not even one full repetition of the unit
+            continue
+        start = best_end - best_run + 1
+        unit = list(tokens[start:start + period])
+        if _smallest_period(unit) < period:
+            continue  # the same loop as a shorter period, judged there
+        loops.append(Loop(period, (best_run + period) / period, start, unit))
+    return loops
+
+
+def _smallest_period(unit: Sequence[str]) -> int:
+    n = len(unit)
+    for d in range(1, n):
+        if n % d == 0 and all(unit[i] == unit[i % d] for i in range(n)):
+            return d
+    return n
+
+
+_SCRIPTS = (  # (name, first, last code point): enough to tell real text from token soup
+    ("Latin", 0x0041, 0x024F), ("Greek", 0x0370, 0x03FF), ("Cyrillic", 0x0400, 0x04FF),
+    ("Armenian", 0x0530, 0x058F), ("Hebrew", 0x0590, 0x05FF), ("Arabic", 0x0600, 0x06FF),
+    ("Devanagari", 0x0900, 0x097F), ("Bengali", 0x0980, 0x09FF), ("Tamil", 0x0B80, 0x0BFF),
+    ("Thai", 0x0E00, 0x0E7F), ("Georgian", 0x10A0, 0x10FF), ("Hangul", 0xAC00, 0xD7AF),
+    ("Kana", 0x3040, 0x30FF), ("Han", 0x3400, 0x9FFF),
+)
+# symbols ordinary prose and code use; anything else that is not a letter, digit or space
+# counts towards "garbled"
+_COMMON_SYMBOLS = set(".,;:!?'\"()[]{}<>-–—_/\\|*&^%$#@~`+=…“”‘’«»·•°×÷"
+                      "、，。：；！？（）《》「」【】")
+
+
+def _script(ch: str) -> str | None:
+    cp = ord(ch)
+    for name, lo, hi in _SCRIPTS:
+        if lo <= cp <= hi:
+            return name
+    return None
+
+
+def garbled(text: str, cfg: Degeneration) -> str | None:
+    """Why a text looks like token soup (many scripts mixed, odd symbols), or None."""
+    letters = [c for c in text if c.isalpha()]
+    scripts: dict[str, int] = {}
+    for c in letters:
+        name = _script(c)
+        if name:
+            scripts[name] = scripts.get(name, 0) + 1
+    # Kana and Han belong together in Japanese; Han and Latin mix in Chinese answers
+    major = sorted(n for n, k in scripts.items()
+                   if k >= max(2, cfg.min_script_share * len(letters)))
+    if len({"Kana" if n == "Han" else n for n in major}) >= cfg.max_scripts + 1:
+        return f"{len(major)} writing systems mixed ({', '.join(major)})"
+    visible = [c for c in text if not c.isspace()]
+    odd = [c for c in visible if not (c.isalnum() or c in _COMMON_SYMBOLS)]
+    if len(visible) >= 20 and len(odd) > cfg.max_symbol_share * len(visible):
+        return (f"{len(odd)} of {len(visible)} characters are unusual symbols "
+                f"({''.join(sorted(set(odd))[:12])!r})")
+    control = [c for c in text if unicodedata.category(c) == "Cc" and c not in "\n\t\r"]
+    if control:
+        return f"{len(control)} control characters"
+    return None
+
+
 def degeneration(text: str, cfg: Degeneration) -> list[str]:
-    """What is wrong with a generated text: empty, NaN, U+FFFD, runs, repeated n-grams."""
+    """What is wrong with a generated text, as the guide defines it (§8, G345): empty, NaN,
+    garbled, one character or token repeated, or a short loop of 2 to
+    ``min_sentence_period - 1`` tokens."""
     found: list[str] = []
     if not text.strip():
         return ["empty text with HTTP 200 (usually a weight path that resolved to nothing)"]
@@ -243,32 +427,41 @@ def degeneration(text: str, cfg: Degeneration) -> list[str]:
         found.append("'nan' in the output (NaN logits)")
     if REPLACEMENT_CHAR in text:
         found.append("U+FFFD replacement characters (broken token bytes)")
+    soup = garbled(text, cfg)
+    if soup:
+        found.append(f"garbled text: {soup}")
     run = re.search(rf"(\S)\1{{{cfg.max_char_run},}}", text)
     if run:
         found.append(f"one character repeated: {run.group(0)[:20]!r} "
                      f"(> {cfg.max_char_run} in a row)")
-    toks = tokens_of(text)
-    longest, current, prev = 1, 1, None
-    for tok in toks:
-        current = current + 1 if tok == prev else 1
-        longest = max(longest, current)
-        prev = tok
-    if longest > cfg.max_token_run:
-        found.append(f"one token repeated {longest} times in a row (> {cfg.max_token_run})")
-    grams = Counter(tuple(toks[i:i + cfg.ngram]) for i in range(len(toks) - cfg.ngram + 1))
-    if grams:
-        gram, count = grams.most_common(1)[0]
-        if count > cfg.max_ngram_repeats:
-            found.append(f"{cfg.ngram}-gram {' '.join(gram)!r} repeated {count} times "
-                         f"(> {cfg.max_ngram_repeats})")
+    for loop in find_loops(tokens_of(text), cfg.min_sentence_period - 1):
+        if loop.period == 1 and loop.repeats > cfg.max_token_run:
+            found.append(f"one token repeated {loop.repeats:g} times in a row "
+                         f"(> {cfg.max_token_run}): {loop.shown}")
+        elif loop.period > 1 and loop.repeats > cfg.max_loop_repeats:
+            found.append(f"a {loop.period}-token loop repeated {loop.repeats:.1f} times "
+                         f"(> {cfg.max_loop_repeats}): {loop.shown}")
     return found
+
+
+def sentence_cycle(text: str, cfg: Degeneration) -> str | None:
+    """A note when a greedy answer cycles through one sentence of min_sentence_period or
+    more tokens: normal for greedy decoding of a long answer, so it passes."""
+    loops = [lp for lp in find_loops(tokens_of(text), 4 * cfg.min_sentence_period + 64)
+             if lp.period >= cfg.min_sentence_period and lp.repeats >= 2]
+    if not loops:
+        return None
+    loop = max(loops, key=lambda lp: lp.period * lp.repeats)
+    return (f"cycles through a {loop.period}-token sentence {loop.repeats:.1f} times "
+            f"(coherent; greedy decoding does this): {loop.shown}")
 
 
 def check_probe(probe: Probe, reply: Reply, cfg: Degeneration) -> Check:
     name = f"probe {probe.name}"
     shown = _short(reply.text)
-    if reply.status != 200:
-        return Check(name, False, f"HTTP {reply.status}: {shown}", "read the server log")
+    if not reply.ok:
+        return Check(name, False, f"HTTP {reply.status}: {reply.error or shown}",
+                     "read the server log")
     problems = degeneration(reply.text, cfg)
     if problems:
         return Check(name, False, f"{'; '.join(problems)}: {shown}",
@@ -279,8 +472,11 @@ def check_probe(probe: Probe, reply: Reply, cfg: Degeneration) -> Check:
         return Check(name, False, f"does not mention {' or '.join(probe.expect_any)}: {shown}",
                      "the model answers but wrongly: check the GGUF digests (verify-gguf) and "
                      "that the W8A8 shares the MXFP4 rotation base", {"text": reply.text})
-    return Check(name, True, f"{shown} ({reply.seconds:.1f}s)", data={"text": reply.text},
-                 required=f"mentions {' or '.join(probe.expect_any)}, not degenerate")
+    note = sentence_cycle(reply.text, cfg)
+    data: dict[str, Any] = {"text": reply.text, **({"note": note} if note else {})}
+    return Check(name, True, f"{shown} ({reply.seconds:.1f}s)" + (f"; note: {note}" if note
+                                                                   else ""),
+                 data=data, required=f"mentions {' or '.join(probe.expect_any)}, not degenerate")
 
 
 def check_determinism(name: str, first: str, second: str) -> Check:
@@ -293,33 +489,44 @@ def check_determinism(name: str, first: str, second: str) -> Check:
                  "(KT_SIDE_STREAM) or uninitialised buffers")
 
 
-def check_log_markers(log_text: str | None, required: Sequence[str], forbidden: Sequence[str],
-                      source: str) -> list[Check]:
+def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str]) -> list[LogMarker]:
+    """The markers whose ``when_env`` holds for the server's environment."""
+    return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())]
+
+
+def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
+                      forbidden: Sequence[LogMarker], source: str) -> list[Check]:
     if log_text is None:
         return [Check("log markers", None, "no server log (the server was not started by this "
-                      "workspace); skipped")]
+                      "workspace); skipped: give it with --server-log FILE")]
     checks = []
-    for pattern in required:
-        hit = re.search(pattern, log_text)
-        checks.append(Check(f"log has {pattern!r}", hit is not None,
-                            _short(_line_at(log_text, hit.start())) if hit else
+    for marker in required:
+        hit = re.search(marker.pattern, log_text)
+        checks.append(Check(f"log has {marker.label}", hit is not None,
+                            _short(_line_at(log_text, hit.start()), 200) if hit else
                             f"missing from {source}",
-                            "" if hit else _MARKER_FIX.get(pattern, "read the server log"),
-                            required="present"))
-    for pattern in forbidden:
-        hit = re.search(pattern, log_text)
-        checks.append(Check(f"log without {pattern!r}", hit is None,
-                            _short(_line_at(log_text, hit.start())) if hit else "absent",
-                            "keep serve.mem_fraction_static 0.81 and the chunked prefill at or "
-                            "above the longest prompt" if hit else "", required="absent"))
+                            "" if hit else (marker.fix or "read the server log"),
+                            {"pattern": marker.pattern}, required="present"))
+    for marker in forbidden:
+        hits = list(re.finditer(marker.pattern, log_text))
+        checks.append(Check(f"log without {marker.label}", not hits,
+                            f"{len(hits)}x, first: "
+                            f"{_short(_line_at(log_text, hits[0].start()), 200)}"
+                            if hits else "absent",
+                            (marker.fix or "read the server log") if hits else "",
+                            {"pattern": marker.pattern}, required="absent"))
     return checks
 
 
-_MARKER_FIX = {
-    "Capture .*graph end": "no NPU graph capture: decode is ~5x slower; drop "
-                           "--disable-cuda-graph from serve.extra_args",
-    "KV Cache is allocated": "the KV pool was not set up: read the log",
-}
+def log_tail(path: Path | None, lines: int = 8) -> list[str]:
+    """The last lines of the server log (for a failure's context), or nothing."""
+    if path is None:
+        return []
+    try:
+        every = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return []
+    return [line[:200] for line in every[-lines:]]
 
 
 def _line_at(text: str, pos: int) -> str:
@@ -336,59 +543,199 @@ def _short(text: str, limit: int = 80) -> str:
 # --- throughput --------------------------------------------------------------------------------
 
 
-def filler_prompt(tokens: int) -> str:
-    words = [_FILLER[i % len(_FILLER)] for i in range(max(1, tokens - 12))]
-    return " ".join(words) + "\n\nWrite a long story about the people in this report."
+class BucketFailed(Exception):
+    """A throughput request failed: the bucket, what happened, what the server said."""
+
+    def __init__(self, target: int, what: str) -> None:
+        super().__init__(f"bucket {target} tokens: {what}" if target else what)
+        self.target = target
+
+
+@dataclass
+class Calibration:
+    """Prompt tokens = base + per_cycle * cycles of the filler, measured on the server."""
+
+    base: float
+    per_cycle: float
+    measured: bool  # False: the server gave no token counts; sizes are a guess
+
+    def sentences_for(self, target: int) -> int:
+        """Filler sentences whose prompt stays at or below ``target`` server tokens."""
+        per_sentence = self.per_cycle / len(_FILLER)
+        # two sentences of slack: the count is exact per cycle, sentences differ in length
+        room = target - self.base - 2 * per_sentence
+        return max(1, int(room / per_sentence))
+
+
+def calibrate(client: ServerClient, chunk: int, chat: bool = False) -> Calibration:
+    """Count one and two cycles of the filler in the server's own tokens (1 new token each),
+    never sending more than ``chunk`` tokens."""
+    cycle = len(_FILLER)
+    counts: list[int | None] = []
+    for cycles in (1, 2):
+        if cycles == 2 and (counts[0] is None or 2 * counts[0] > chunk):
+            break
+        reply = client.generate(filler_prompt(cycles * cycle), 1, chat)
+        if not reply.ok:
+            raise BucketFailed(0, f"calibrating the prompt size: HTTP {reply.status} "
+                               f"{reply.error}".rstrip())
+        counts.append(reply.prompt_tokens)
+    if counts[0] is None:
+        # ~1.35 tokens per English word for BPE vocabularies: used only when the server
+        # does not report token counts
+        words = len(filler_prompt(cycle).split())
+        return Calibration(base=0.0, per_cycle=1.35 * words, measured=False)
+    if len(counts) == 1 or counts[1] is None:
+        return Calibration(base=0.0, per_cycle=float(counts[0]), measured=True)  # errs short
+    per_cycle = float(counts[1] - counts[0])
+    return Calibration(base=counts[0] - per_cycle, per_cycle=per_cycle, measured=True)
 
 
 @dataclass
 class Bucket:
-    prompt_tokens: int
-    tok_s: float | None  # median decode tok/s over the repeats
-    ttft_s: float | None  # median time to first token
+    target: int  # the delivery's bucket (TARGET_TOKENS_LIST)
+    prompt_tokens: int | None  # what the server counted for our prompt
     runs: list[dict[str, Any]]
+    skipped: str = ""  # why the bucket was not measured
+
+    @property
+    def rates(self) -> list[float]:
+        return [r["tok_s"] for r in self.runs if r.get("tok_s")]
+
+    def stats(self) -> dict[str, float | None]:
+        """mean / median / min / max decode tok/s and mean prefill seconds, the delivery's
+        way (decode_throughput_test.sh L245-246: median = sorted[n // 2])."""
+        xs = sorted(self.rates)
+        pf = [r["ttft_s"] for r in self.runs if r.get("ttft_s") is not None]
+        if not xs:
+            return {"mean": None, "median": None, "min": None, "max": None,
+                    "prefill_s": _round(sum(pf) / len(pf)) if pf else None}
+        return {"mean": _round(sum(xs) / len(xs)), "median": _round(xs[len(xs) // 2]),
+                "min": _round(xs[0]), "max": _round(xs[-1]),
+                "prefill_s": _round(sum(pf) / len(pf)) if pf else None}
+
+    @property
+    def tok_s(self) -> float | None:
+        return self.stats()["median"]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "tok_s": self.tok_s, "ttft_s": self.ttft_s,
-                "runs": self.runs}
+        return {"target": self.target, "prompt_tokens": self.prompt_tokens,
+                **({"skipped": self.skipped} if self.skipped else {}),
+                **self.stats(), "tok_s": self.tok_s, "runs": self.runs}
 
 
-def measure_throughput(client: ServerClient, cfg: Throughput, chat: bool = False) -> list[Bucket]:
-    """Warm up, then per prompt-length bucket the median decode tok/s and TTFT of the repeats."""
-    for _ in range(cfg.warmup):
-        client.stream(filler_prompt(min(cfg.prompt_buckets)), cfg.new_tokens, chat)
+@dataclass
+class Plan:
+    """What the throughput phase will send: its sizes and the limits they respect."""
+
+    new_tokens: int
+    repeats: int
+    warmup: int
+    chunk: int
+    chunk_source: str
+    context_length: int
+
+    def skip_reason(self, target: int) -> str:
+        if target > self.chunk:
+            return (f"longer than the server's chunked prefill {self.chunk} ({self.chunk_source})"
+                    f"; a longer prompt fails (guide G306-310). To measure it, restart the "
+                    f"server with CHUNKED_PREFILL_SIZE=32768 (`dsv4-offload serve "
+                    f"--longest-prompt {target}`), as the delivery's throughput script requires")
+        if target + self.new_tokens > self.context_length:
+            return (f"prompt + {self.new_tokens} new tokens exceed the context length "
+                    f"{self.context_length}")
+        return ""
+
+
+def measure_throughput(client: ServerClient, plan: Plan, targets: Sequence[int],
+                       calibration: Calibration, chat: bool = False,
+                       on_step: Callable[[str], None] | None = None) -> list[Bucket]:
+    """Per bucket, as decode_throughput_test.sh does: ``warmup`` full generations discarded
+    (L176-181), then ``repeats`` streamed ones timed token by token (L183-237)."""
+    step = on_step or (lambda _msg: None)
+    # sglang honours ignore_eos, so fewer tokens means the request broke off; OpenAI
+    # servers may ignore the field and stop at EOS
+    exact = client.api == "native"
     buckets = []
-    for size in cfg.prompt_buckets:
+    for target in targets:
+        why = plan.skip_reason(target)
+        if why:
+            buckets.append(Bucket(target, None, [], skipped=why))
+            continue
+        prompt = filler_prompt(calibration.sentences_for(min(target, plan.chunk)))
+        prompt_tokens: int | None = None
         runs = []
-        for _ in range(cfg.repeats):
-            reply = client.stream(filler_prompt(size), cfg.new_tokens, chat)
-            runs.append({"tokens": reply.tokens, "tok_s": _round(reply.decode_tok_s),
-                         "ttft_s": _round(reply.ttft), "seconds": _round(reply.seconds),
-                         "status": reply.status})
-        rates = [r["tok_s"] for r in runs if r["tok_s"]]
-        ttfts = [r["ttft_s"] for r in runs if r["ttft_s"] is not None]
-        buckets.append(Bucket(size, _round(statistics.median(rates)) if rates else None,
-                              _round(statistics.median(ttfts)) if ttfts else None, runs))
+        which = ""
+        try:
+            for i in range(plan.warmup):
+                which = f"warm-up {i + 1}"
+                step(f"bucket {target}: {which}/{plan.warmup}")
+                # streamed, unlike the script's curl (L179): the same load on the server,
+                # and a hung server is caught by the per-read timeout, not after an hour
+                warm = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
+                _require(warm, target, plan, which, exact)
+                prompt_tokens = warm.prompt_tokens or prompt_tokens
+            if prompt_tokens is None:
+                # a server that does not count tokens in its streams (an OpenAI server
+                # without stream usage): ask once, with one new token
+                which = "counting the prompt"
+                counted = client.generate(prompt, 1, chat)
+                _require(counted, target, plan, which, exact=False)
+                prompt_tokens = counted.prompt_tokens
+            for i in range(plan.repeats):
+                which = f"run {i + 1}"
+                step(f"bucket {target}: {which}/{plan.repeats}")
+                reply = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
+                _require(reply, target, plan, which, exact)
+                prompt_tokens = reply.prompt_tokens or prompt_tokens
+                runs.append({"tokens": reply.tokens, "tok_s": _round(reply.decode_tok_s),
+                             "ttft_s": _round(reply.ttft), "seconds": _round(reply.seconds)})
+        except ServerUnreachable as exc:
+            raise BucketFailed(target, f"{which}: {exc}") from None
+        buckets.append(Bucket(target, prompt_tokens, runs))
     return buckets
 
 
-def check_throughput(buckets: Sequence[Bucket], cfg: Throughput) -> Check:
+def _require(reply: Reply, target: int, plan: Plan, which: str, exact: bool) -> None:
+    if not reply.ok:
+        raise BucketFailed(target, f"{which} failed: HTTP {reply.status}"
+                           + (f": {reply.error}" if reply.error else ""))
+    if reply.prompt_tokens and reply.prompt_tokens > plan.chunk:
+        # calibration keeps prompts under the chunk; a server that counts otherwise is a bug
+        raise BucketFailed(target, f"{which}: the server counted {reply.prompt_tokens} prompt "
+                           f"tokens, above its chunk {plan.chunk}")
+    if exact and reply.tokens < plan.new_tokens:
+        raise BucketFailed(target, f"{which}: {reply.tokens} of {plan.new_tokens} tokens with "
+                           "ignore_eos (the generation stopped early)")
+
+
+def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = True) -> Check:
     measured = [b for b in buckets if b.tok_s]
-    if not measured:
-        return Check("decode throughput", False, "no bucket produced two streamed tokens",
-                     "read the server log")
-    short = measured[0]
-    shown = ", ".join(f"{b.prompt_tokens} tok: {b.tok_s} tok/s (TTFT {b.ttft_s}s)"
-                      for b in measured)
+    skipped = [b for b in buckets if b.skipped]
     low, high = cfg.reference_range
-    if short.tok_s is not None and short.tok_s < cfg.reference_tok_s:
-        return Check("decode throughput", False, f"{shown}; below the reference "
-                     f"{cfg.reference_tok_s} tok/s ({low}-{high})",
+    required = f"median >= {cfg.reference_tok_s:g} tok/s in every bucket ({low:g}-{high:g})"
+    if not measured:
+        why = skipped[0].skipped if skipped else "no bucket produced two streamed tokens"
+        return Check("decode throughput", False, f"nothing measured: {why}",
+                     "read the server log", required=required, gate=gate)
+    shown = "; ".join(f"{b.target} ({b.prompt_tokens or '?'} tok): median {b.tok_s} "
+                      f"[{b.stats()['min']}-{b.stats()['max']}] tok/s" for b in measured)
+    if skipped:
+        shown += "; skipped: " + ", ".join(str(b.target) for b in skipped)
+    data = {"reference": cfg.reference_tok_s,
+            "skipped": {b.target: b.skipped for b in skipped}}
+    slow = [b for b in measured if (b.tok_s or 0) < cfg.reference_tok_s]
+    if slow:
+        worst = min(slow, key=lambda b: b.tok_s or 0)
+        return Check("decode throughput", False,
+                     f"bucket {worst.target}: median {worst.tok_s} tok/s, below the reference "
+                     f"{cfg.reference_tok_s:g} ({low:g}-{high:g}); {shown}",
                      "check the NPU graph capture in the log, KT_CPUINFER/threadpool against "
-                     "the NUMA layout, and that the GGUF sits in the page cache",
-                     {"reference": cfg.reference_tok_s})
-    return Check("decode throughput", True, shown, data={"reference": cfg.reference_tok_s},
-                 required=f">= {cfg.reference_tok_s:g} tok/s ({low:g}-{high:g})")
+                     "the NUMA layout, that nothing else uses the card, and that the GGUF sits "
+                     "in the page cache", data, required=required, gate=gate)
+    fix = "; ".join(f"bucket {b.target} skipped: {b.skipped}" for b in skipped)
+    return Check("decode throughput", True, shown, fix, data=data, required=required,
+                 gate=gate, warning=bool(skipped))
 
 
 def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: str) -> Path:
@@ -399,18 +746,20 @@ def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: 
     import matplotlib.pyplot as plt
 
     points = [b for b in buckets if b.tok_s is not None]
+    xs = [b.prompt_tokens or b.target for b in points]
     fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot([b.prompt_tokens for b in points], [b.tok_s or 0.0 for b in points], marker="o",
+    ax.plot(xs, [b.tok_s or 0.0 for b in points], marker="o",
             label="decode tok/s (median)")
     ax.axhline(reference, color="grey", linestyle="--", label=f"reference {reference:g} tok/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("prompt length (tokens)")
     ax.set_ylabel("decode tok/s")
     ax.set_ylim(bottom=0)
-    ttft = [b for b in points if b.ttft_s is not None]
-    if ttft:
+    prefill = [(x, b.stats()["prefill_s"]) for x, b in zip(xs, points, strict=True)
+               if b.stats()["prefill_s"] is not None]
+    if prefill:
         ax2 = ax.twinx()
-        ax2.plot([b.prompt_tokens for b in ttft], [b.ttft_s or 0.0 for b in ttft], marker="s",
+        ax2.plot([x for x, _ in prefill], [p or 0.0 for _, p in prefill], marker="s",
                  color="tab:orange", label="TTFT (s)")
         ax2.set_ylabel("time to first token (s)")
         ax2.set_ylim(bottom=0)

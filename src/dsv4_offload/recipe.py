@@ -354,17 +354,57 @@ class Probe(Strict):
 
 
 class Degeneration(Strict):
+    """The guide's "garbled, all repeated characters or NaN" (§8, G345) as thresholds."""
+
     max_char_run: int = Field(12, gt=1)
-    max_token_run: int = Field(6, gt=1)
-    max_ngram_repeats: int = Field(4, gt=1)
-    ngram: int = Field(4, gt=1)
+    max_token_run: int = Field(6, gt=1, description="one token repeated more times fails")
+    max_loop_repeats: float = Field(
+        4, gt=1, description="a loop of 2 to min_sentence_period-1 tokens repeated more fails")
+    min_sentence_period: int = Field(
+        8, gt=2, description="a cycle this long or longer is a repeated sentence: it passes "
+        "with a note (greedy decoding does this)")
+    max_scripts: int = Field(3, gt=0, description="more writing systems mixed is token soup "
+                             "(a Chinese answer may quote a Latin and a Cyrillic name)")
+    min_script_share: float = Field(0.05, gt=0, lt=1)
+    max_symbol_share: float = Field(0.3, gt=0, lt=1)
+
+
+class LogMarker(Strict):
+    """A server log line to look for; a plain string in the recipe is its pattern."""
+
+    pattern: str = Field(min_length=1, description="a Python regular expression")
+    name: str = ""
+    when_env: dict[str, str] = Field(
+        {}, description="checked only when the server's environment has these values")
+    fix: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"pattern": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _compiles(self) -> LogMarker:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {self.pattern!r} is not a regular expression ({exc})"
+                             ) from None
+        return self
+
+    @property
+    def label(self) -> str:
+        return repr(self.name or self.pattern)
 
 
 class Throughput(Strict):
-    prompt_buckets: list[int] = [128, 1024, 4096]
-    new_tokens: int = Field(128, gt=0)
+    """decode_throughput_test.sh's method: buckets, warm-up per bucket, new tokens, repeats."""
+
+    prompt_buckets: list[int] = Field([130, 1000, 8000, 16000, 32000], min_length=1)
+    new_tokens: int = Field(1000, gt=0)
     repeats: int = Field(3, gt=0)
-    warmup: int = Field(1, ge=0)
+    warmup: int = Field(1, ge=0, description="full generations discarded before each bucket")
+    quick_new_tokens: int = Field(64, gt=0, description="accept --quick: tokens per request")
     reference_tok_s: float = Field(gt=0)
     reference_range: tuple[float, float]
 
@@ -375,8 +415,8 @@ class Acceptance(Strict):
     probes: list[Probe] = Field(min_length=1)
     determinism_probe: Name
     degeneration: Degeneration = Degeneration()
-    log_markers_required: list[str] = []
-    log_markers_forbidden: list[str] = []
+    log_markers_required: list[LogMarker] = []
+    log_markers_forbidden: list[LogMarker] = []
     throughput: Throughput
     gpqa_reference_pct: float | None = None
 

@@ -227,25 +227,54 @@ def accept(
     model: str | None = typer.Option(None, "--model", help="Model name for an OpenAI server."),
     probes: str | None = typer.Option(None, "--probes", metavar="FILE",
                                       help="YAML list of probes instead of the recipe's."),
+    server_log: str | None = typer.Option(
+        None, "--server-log", metavar="FILE", help="The log of a server started elsewhere "
+        "(the delivery's script, a container); read after all requests."),
+    require_line: list[str] = typer.Option(
+        [], "--require-line", metavar="REGEX", help="A line the log must have; with "
+        "--forbid-line, replaces the recipe's (sglang) markers. Repeatable."),
+    forbid_line: list[str] = typer.Option(
+        [], "--forbid-line", metavar="REGEX", help="A line the log must not have. Repeatable."),
+    quick: bool = typer.Option(False, "--quick", help="Short throughput run: "
+                               "acceptance.throughput.quick_new_tokens, one repeat."),
+    no_throughput_gate: bool = typer.Option(
+        False, "--no-throughput-gate", help="Throughput below the reference only warns."),
+    gpqa_rounds: int = typer.Option(0, "--gpqa", metavar="N", min=0, help="Also run N rounds "
+                                    "of GPQA-diamond through evalscope (hours per round)."),
+    api_key_file: str | None = typer.Option(
+        None, "--api-key-file", metavar="FILE", help="Send the key in FILE (default: the one "
+        "`serve --api-key-file` used)."),
 ) -> None:
-    """Check the running server: coherent, deterministic, fast enough.
+    """Check the running server: coherent, deterministic, fast enough, clean log.
 
     1. /health and /health_generate answer 200 (/v1/models with --api openai).
-    2. Each greedy probe is non-empty, free of degeneration (runs of one character or
-       token, repeated n-grams, NaN, U+FFFD) and mentions what it must; the
+    2. Each greedy probe is non-empty and not degenerate as the guide defines it (garbled
+       text, one character or token repeated, a short loop, NaN, U+FFFD) and mentions what
+       it must; a long answer cycling through one sentence passes with a note. The
        determinism probe gives the same text twice.
-    3. The server log has the KV pool sizes and the NPU graph capture, and no streaming
-       or hybrid fallback.
-    4. Decode tok/s (median of repeats, after a warm-up) and time to first token per
-       prompt-length bucket, against the recipe's reference; JSON report and PNG chart
-       under reports/, the verdict in provenance.json.
+    3. Decode tok/s as the delivery's decode_throughput_test.sh measures it: per bucket
+       (130/1000/8000/16000/32000 tokens, counted in the server's own tokens) one warm-up,
+       then 3 streamed runs of 1000 tokens with ignore_eos; mean/median/min/max. A bucket
+       longer than the server's chunked prefill (/get_server_info, else the serve record,
+       else the recipe) is skipped with a note. A failed request, a dead server or a median
+       below the recipe's reference fails.
+    4. Then the server still answers, and its log (the supervised one or --server-log) has
+       the weights loaded, the depool slot (KT_MXFP4_DEPOOL=1), the SWAC4C128KV pool and the
+       NPU graph, and no streaming-prefill fallback or dedup warning.
+    5. With --gpqa N: N rounds of GPQA-diamond through evalscope, mean and spread against
+       the recipe's reference.
+    JSON report and PNG chart under reports/, the verdict in provenance.json.
     """
     from rich.markup import escape
 
     from dsv4_offload import pipeline
     from dsv4_offload.cli.render import console
 
-    options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes}
+    options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes,
+                               "log": server_log, "require_lines": require_line,
+                               "forbid_lines": forbid_line, "quick": quick,
+                               "no_throughput_gate": no_throughput_gate, "gpqa": gpqa_rounds,
+                               "api_key_file": api_key_file}
     sctx = kit.load_context(ctx, "accept", options)
     with sctx.workspace.lock("accept"):
         result = pipeline.run_stage(sctx, "accept", options)

@@ -1,25 +1,30 @@
-"""Stage `accept`: health, coherent greedy probes, determinism, log markers, decode tok/s.
+"""Stage `accept`: health, coherent greedy probes, determinism, decode tok/s, server log.
 
 Options: ``url`` (default: the supervised server, else serve.host:port), ``api``
 (native | openai), ``model`` (the name an OpenAI server wants), ``probes`` (a YAML file
 with a list of probes, or a mapping with ``probes`` and ``determinism_probe``), ``log``
-(a server log to check for markers; default: the supervised server's).
-Writes ``reports/accept-<time>.json`` and a PNG chart beside it; the summary goes to
-provenance through the stage outputs.
+(a server log to check, for a server started elsewhere; default: the supervised server's),
+``require_lines``/``forbid_lines`` (regexes replacing the recipe's markers), ``quick``,
+``no_throughput_gate``, ``gpqa`` (rounds), ``api_key_file``.
+The log is read after all of accept's own traffic. Writes ``reports/accept-<time>.json`` and
+a PNG chart beside it; the summary goes to provenance through the stage outputs.
 """
 
 from __future__ import annotations
 
+import os
+import re
 import time
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload import gpqa
 from dsv4_offload import probes as pr
 from dsv4_offload import supervisor as sv
 from dsv4_offload.errors import InputError
-from dsv4_offload.recipe import Acceptance, Probe
+from dsv4_offload.recipe import Acceptance, LogMarker, Probe
 from dsv4_offload.serveplan import connect_url
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.stage import Problem, StageContext, StageResult, Status, Task
 from dsv4_offload.workspace import atomic_write_json, now_iso
 
 OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang's /health
@@ -64,19 +69,28 @@ def run(ctx: StageContext) -> StageResult:
     api = ctx.option("api", acc.api)
     if api not in ("native", "openai"):
         raise InputError(f"--api {api}: must be 'native' (sglang /generate) or 'openai'")
+    gpqa_rounds = int(ctx.option("gpqa", 0))
+    if gpqa_rounds < 0:
+        raise InputError(f"--gpqa {gpqa_rounds}: give a number of rounds (the delivery runs 10)")
+    evalscope = gpqa.find_evalscope() if gpqa_rounds else None  # before any traffic
     record = sv.read_record(ctx.workspace.serve_record)
     url = ctx.option("url") or (record.url if sv.record_alive(record) and record else
                                 connect_url(ctx.recipe.serve.host, ctx.recipe.serve.port))
     probe_list, det_name = (load_probes(Path(ctx.option("probes")), acc) if ctx.option("probes")
                             else (acc.probes, acc.determinism_probe))
     log_path = _server_log(ctx, record, url)
-    client = pr.ServerClient(url, api, ctx.option("model"), acc.request_timeout_s)
+    required, forbidden = _markers(ctx)
+    client = pr.ServerClient(url, api, ctx.option("model"), acc.request_timeout_s,
+                             headers=auth_headers(ctx, record, url))
+    quick = bool(ctx.option("quick", False))
+    gate = not ctx.option("no_throughput_gate", False)
     checks: list[pr.Check] = []
     buckets: list[pr.Bucket] = []
     texts: dict[str, str] = {}
+    notes: list[str] = []
     started = time.monotonic()
 
-    with ctx.task(f"accepting {url}", total=len(probe_list) + 3) as task:
+    with ctx.task(f"accepting {url}", total=len(probe_list) + 4) as task:
         try:
             for path in (OPENAI_HEALTH if api == "openai" else ctx.recipe.serve.health_paths):
                 code, secs = client.get(path)
@@ -101,35 +115,206 @@ def run(ctx: StageContext) -> StageResult:
         except ValueError as exc:
             checks.append(pr.Check("server answers", False, str(exc),
                                    "is --api right for this server (native or openai)?"))
-        log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
-        checks += pr.check_log_markers(log_text, acc.log_markers_required,
-                                       acc.log_markers_forbidden, str(log_path))
-        coherent = all(c.ok is not False for c in checks)
-        if coherent:
-            try:
-                buckets = pr.measure_throughput(client, acc.throughput,
-                                                chat=any(p.chat for p in probe_list))
-                checks.append(pr.check_throughput(buckets, acc.throughput))
-            except pr.ServerUnreachable as exc:
-                checks.append(pr.Check("decode throughput", False, str(exc),
-                                       "the server hung or died under load: `serve logs`"))
+        if all(c.ok is not False for c in checks):
+            buckets, tp_check = _throughput(ctx, client, record, log_path, quick, gate,
+                                            chat=any(p.chat for p in probe_list), task=task)
+            checks.append(tp_check)
+            notes += [f"bucket {b.target} skipped: {b.skipped}" for b in buckets if b.skipped]
         else:
             checks.append(pr.Check("decode throughput", None, "skipped: earlier checks failed"))
         task.advance()
+        if gpqa_rounds and evalscope:
+            if any(c.ok is False and c.gate for c in checks):
+                checks.append(pr.Check("GPQA-diamond", None, "skipped: earlier checks failed"))
+            else:
+                try:
+                    checks.append(_gpqa(ctx, client, evalscope, gpqa_rounds, task))
+                except (InputError, pr.ServerUnreachable) as exc:
+                    checks.append(pr.Check("GPQA-diamond", False, str(exc),
+                                           "give --model, or check the server"))
+        # after all of accept's own traffic: a server that died under it, and the log lines
+        # only long prompts can cause (streaming prefill fallback), are caught here
+        if all(c.name != "server answers" for c in checks):
+            checks.append(_still_answering(ctx, client, api, record))
+        log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
+        checks += pr.check_log_markers(log_text, required, forbidden, str(log_path))
+        task.advance()
 
-    return _result(ctx, url, api, checks, buckets, log_path, time.monotonic() - started)
+    return _result(ctx, url, api, checks, buckets, log_path, notes, time.monotonic() - started)
+
+
+def auth_headers(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> dict[str, str]:
+    """The API key a server started with `serve --api-key-file` wants, as a header."""
+    path = ctx.option("api_key_file")
+    if not path and record is not None and record.url == url:
+        path = record.extra.get("api_key_file")
+    return pr.api_key_headers(path)
+
+
+def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
+    """The recipe's log markers that apply to this server, or the user's own lines."""
+    acc = ctx.recipe.acceptance
+    own_required = ctx.option("require_lines") or []
+    own_forbidden = ctx.option("forbid_lines") or []
+    if own_required or own_forbidden:
+        # another server (llama.cpp, a container build): its own lines replace the recipe's
+        try:
+            return ([LogMarker(pattern=p) for p in own_required],
+                    [LogMarker(pattern=p) for p in own_forbidden])
+        except ValueError as exc:
+            raise InputError(f"--require-line/--forbid-line: {str(exc).splitlines()[-1]}"
+                             ) from None
+    # the server's environment as the launcher builds it: the recipe's values, a knob the
+    # user exported winning (launch_ds4flash_npu.sh's ${X:-default})
+    keys = {k for m in [*acc.log_markers_required, *acc.log_markers_forbidden]
+            for k in m.when_env}
+    env = {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
+    return (pr.markers_that_apply(acc.log_markers_required, env),
+            pr.markers_that_apply(acc.log_markers_forbidden, env))
+
+
+def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
+                 log_text: str | None, recipe_chunk: int) -> tuple[int, str]:
+    """The server's chunked prefill and where it was read, most direct source first."""
+    value = (info or {}).get("chunked_prefill_size")  # sglang ServerArgs field
+    if isinstance(value, int) and value > 0:
+        return value, "/get_server_info"
+    if record is not None and "--chunked-prefill-size" in record.argv:
+        i = record.argv.index("--chunked-prefill-size")
+        if i + 1 < len(record.argv) and record.argv[i + 1].lstrip("-").isdigit():
+            size = int(record.argv[i + 1])
+            if size > 0:
+                return size, "the serve record's command line"
+    if log_text:
+        # launch_ds4flash_npu.sh L264: "[launch] chunked-prefill-size=${CHUNKED_PREFILL_SIZE}"
+        found = re.findall(r"\[launch\] chunked-prefill-size=(\d+)", log_text)
+        if found:
+            return int(found[-1]), "the launcher's line in the server log"
+    return recipe_chunk, "the recipe (serve.chunked_prefill_size)"
+
+
+def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeRecord | None,
+                log_path: Path | None, quick: bool, gate: bool, chat: bool,
+                task: Task) -> tuple[list[pr.Bucket], pr.Check]:
+    cfg = ctx.recipe.acceptance.throughput
+    log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
+    chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
+
+    def step(what: str) -> None:
+        task.update(description=f"throughput: {what}")
+
+    try:
+        # sglang's /get_server_info holds its ServerArgs; an OpenAI-only server has none
+        info = client.get_json("/get_server_info") if client.api == "native" else None
+        chunk, source = server_chunk(info, record, log_text, chunk)
+        context = (info or {}).get("context_length")
+        plan = pr.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
+                       repeats=1 if quick else cfg.repeats,
+                       warmup=min(cfg.warmup, 1) if quick else cfg.warmup,
+                       chunk=chunk, chunk_source=source,
+                       context_length=context if isinstance(context, int) and context > 0
+                       else ctx.recipe.serve.context_length)
+        step("calibrating the prompt in the server's tokens")
+        calibration = pr.calibrate(client, chunk, chat)
+        buckets = pr.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
+                                        on_step=step)
+    except (pr.BucketFailed, pr.ServerUnreachable) as exc:
+        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"before the buckets: {exc}"
+        return [], pr.Check("decode throughput", False, what,
+                            _with_tail("the server failed under load", log_path),
+                            data={"chunk": chunk, "chunk_source": source})
+    check = pr.check_throughput(buckets, cfg, gate)
+    check.data.update({"chunk": chunk, "chunk_source": source, "quick": quick,
+                       "new_tokens": plan.new_tokens, "repeats": plan.repeats,
+                       "warmup": plan.warmup, "calibrated": calibration.measured})
+    if not calibration.measured:
+        check.detail += ("; prompt sizes estimated: the server reported no prompt token "
+                         "counts")
+    return buckets, check
+
+
+def _still_answering(ctx: StageContext, client: pr.ServerClient, api: str,
+                     record: sv.ServeRecord | None) -> pr.Check:
+    path = OPENAI_HEALTH[0] if api == "openai" else ctx.recipe.serve.health_paths[0]
+    try:
+        code, _ = client.get(path)
+    except pr.ServerUnreachable as exc:
+        return pr.Check("server alive after the run", False, str(exc),
+                        "the server died during acceptance: `dsv4-offload serve logs`")
+    ok = code == 200
+    return pr.Check("server alive after the run", ok, f"GET {path}: HTTP {code}",
+                    "" if ok else "the server stopped answering: `dsv4-offload serve logs`",
+                    required="HTTP 200")
+
+
+def _gpqa(ctx: StageContext, client: pr.ServerClient, evalscope: str, rounds: int,
+          task: Task) -> pr.Check:
+    reference = ctx.recipe.acceptance.gpqa_reference_pct
+    model = ctx.option("model") or _served_model(client)
+    key = client.headers().get("Authorization", "Bearer EMPTY").split(" ", 1)[1]
+    out = ctx.workspace.reports_dir / f"gpqa-{time.strftime('%Y%m%d-%H%M%S')}"
+
+    def on_round(i: int) -> None:
+        task.update(description=f"GPQA-diamond round {i}/{rounds} (evalscope)")
+
+    # gpqa_accuracy_repeat.sh L57: the chat endpoint itself is the --api-url
+    result = gpqa.run_rounds(rounds, evalscope, model, client.url + "/v1/chat/completions",
+                             key, out, on_round)
+    stats = result.summary()
+    failed = [i + 1 for i, s in enumerate(result.rounds) if s is None]
+    shown = (f"{stats['n']} of {rounds} rounds: mean {stats['mean']}% (min {stats['min']}, "
+             f"max {stats['max']}, SD {stats['sd']} pp); rounds "
+             + ", ".join("?" if s is None else f"{s:g}" for s in result.rounds))
+    data = {"rounds": result.rounds, **stats, "reference": reference, "logs": result.logs,
+            "dir": str(out)}
+    if failed or stats["mean"] is None:
+        return pr.Check("GPQA-diamond", False, f"round(s) {failed} failed; {shown}",
+                        f"see {out}/R{failed[0] if failed else 1}.log", data)
+    if reference is None:
+        return pr.Check("GPQA-diamond", True, f"{shown}; no reference in the recipe", data=data)
+    tolerance = result.tolerance_pp()
+    data["tolerance_pp"] = tolerance
+    ok = float(stats["mean"] or 0) >= reference - tolerance
+    note = "" if rounds >= 3 else "; one round is noise (±3.3 pp): run 3 to 10"
+    return pr.Check("GPQA-diamond", ok, f"{shown}{note}",
+                    "" if ok else "accuracy below the reference: check the GGUF and W8A8 "
+                    "(verify-gguf) and that sglang is at its pinned commit", data,
+                    required=f"mean >= {reference:g}% - {tolerance:g} pp (2 SE of the mean)")
+
+
+def _served_model(client: pr.ServerClient) -> str:
+    """The model name evalscope must send: the server's first /v1/models id."""
+    doc = client.get_json("/v1/models") or {}
+    items = doc.get("data") or []
+    if items and isinstance(items[0], dict) and items[0].get("id"):
+        return str(items[0]["id"])
+    raise InputError("accept --gpqa: the server lists no model on /v1/models; give --model "
+                     "(the W8A8 path the server was started with)")
+
+
+def _with_tail(fix: str, log_path: Path | None) -> str:
+    tail = pr.log_tail(log_path)
+    if not tail:
+        return fix + ": `dsv4-offload serve logs`"
+    return fix + f"; the last lines of {log_path}:\n  " + "\n  ".join(tail)
 
 
 def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> Path | None:
-    if ctx.option("log"):
-        return Path(ctx.option("log"))
+    given = ctx.option("log")
+    if given:
+        path = Path(given)
+        if not path.is_file():
+            raise InputError(f"--server-log {path}: no such file; give the log the server "
+                             "writes (e.g. `... 2>&1 | tee /tmp/kt_serve.log`)")
+        return path
     if record is not None and record.url == url and Path(record.log).is_file():
         return Path(record.log)
     return None
 
 
 def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
-            buckets: list[pr.Bucket], log_path: Path | None, seconds: float) -> StageResult:
+            buckets: list[pr.Bucket], log_path: Path | None, notes: list[str],
+            seconds: float) -> StageResult:
     acc = ctx.recipe.acceptance
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report = ctx.workspace.reports_dir / f"accept-{stamp}.json"
@@ -144,12 +329,15 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
             problems.append(Problem("warning", "no chart: matplotlib is not installed",
                                     fix="pip install matplotlib", check="accept.chart"))
     failed = [c for c in checks if c.ok is False]
-    # a slow server is a finding to read, not a broken one: throughput alone only warns
-    hard = [c for c in failed if c.name != "decode throughput"]
+    hard = [c for c in failed if c.gate]
     for c in failed:
+        if c in hard and log_path is not None and "last lines of" not in c.fix:
+            c.fix = _with_tail(c.fix or "read the server log", log_path)
         problems.append(Problem("error" if c in hard else "warning", f"{c.name}: {c.detail}",
                                 fix=c.fix, check=f"accept.{c.name}"))
-    status = Status.FAILED if hard else (Status.WARN if failed or problems else Status.OK)
+    problems += [Problem("warning", note, check="accept.throughput") for note in notes]
+    warned = [c for c in checks if c.status == "warn"]
+    status = Status.FAILED if hard else (Status.WARN if warned or problems else Status.OK)
     passed = sum(1 for c in checks if c.ok)
     tok_s = next((b.tok_s for b in buckets if b.tok_s), None)
     summary = (f"{'FAILED' if hard else 'passed'}: {passed}/{len(checks)} checks"
@@ -159,7 +347,7 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
     doc = {"schema": 1, "recipe": ctx.recipe.name, "url": url, "api": api, "when": now_iso(),
            "seconds": round(seconds, 1), "status": status.value, "summary": summary,
            "checks": [c.as_dict() for c in checks],
-           "throughput": [b.as_dict() for b in buckets],
+           "throughput": [b.as_dict() for b in buckets], "notes": notes,
            "reference_tok_s": acc.throughput.reference_tok_s,
            "log": str(log_path) if log_path else None, "chart": str(chart) if chart else None}
     atomic_write_json(report, doc)
