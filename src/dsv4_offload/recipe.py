@@ -32,6 +32,7 @@ DEFAULT_RECIPE = "dsv4-flash-910b"
 SCHEMA_VERSION = 1
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_HEX_PREFIX = re.compile(r"^[0-9a-f]{7,39}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -91,13 +92,29 @@ class Strict(BaseModel):
 # --- sources -------------------------------------------------------------------------------
 
 
+def _commit_prefix(value: str) -> str:
+    if not isinstance(value, str) or not _HEX_PREFIX.match(value):
+        raise ValueError("must be 7 to 39 lowercase hex digits (a full SHA goes in 'commit')")
+    return value
+
+
+CommitPrefix = Annotated[str, AfterValidator(_commit_prefix)]
+
+
 class Source(Strict):
-    """A git repository pinned at a full commit and where it goes in the workspace."""
+    """A git repository pinned at a full commit and where it goes in the workspace.
+
+    A source the upstream pins only by an abbreviated SHA says so with ``commit_prefix`` and
+    ``branch``: ``fetch`` resolves it once on that branch and locks the full SHA.
+    """
 
     name: Name
     url: GitUrl
     mirrors: list[GitUrl] = []
-    commit: Commit
+    commit: Commit | None = None
+    commit_prefix: CommitPrefix | None = Field(
+        None, description="an abbreviated SHA, resolved once on 'branch' and then locked")
+    branch: str | None = Field(None, description="the branch a commit_prefix is resolved on")
     ref: str | None = Field(None, description="human-readable tag or branch; never used alone")
     path: RelPath = Field(description="checkout path, relative to the workspace")
     submodule_of: Name | None = Field(
@@ -105,6 +122,37 @@ class Source(Strict):
     )
     patched: bool = True
     license: str | None = None
+
+    @model_validator(mode="after")
+    def _one_pin(self) -> Source:
+        if (self.commit is None) == (self.commit_prefix is None):
+            raise ValueError(f"source '{self.name}': give either 'commit' (a full 40-hex SHA) or "
+                             "'commit_prefix' + 'branch' (an abbreviated SHA the upstream "
+                             "publishes), not both or neither")
+        if self.commit_prefix is not None and not self.branch:
+            raise ValueError(f"source '{self.name}': commit_prefix needs 'branch', the branch "
+                             "it is resolved on (e.g. master)")
+        return self
+
+    @property
+    def pinned(self) -> str:
+        """The full commit; a prefix-pinned one once ``fetch`` resolved and locked it."""
+        if self.commit is not None:
+            return self.commit
+        locked: str | None = getattr(self, "_locked_commit", None)
+        if locked is None:
+            raise InputError(f"source '{self.name}' is pinned by the prefix "
+                             f"{self.commit_prefix} on {self.branch}: run `dsv4-offload fetch` "
+                             "to resolve and lock it")
+        return locked
+
+    def lock(self, commit: str) -> None:
+        """Record the full SHA a commit_prefix resolved to (not a field: the fingerprint of
+        the recipe stays the prefix; the full SHA reaches later stages through fetch's outputs)."""
+        if self.commit_prefix is None or not commit.startswith(self.commit_prefix):
+            raise InputError(f"source '{self.name}': {commit} does not match its "
+                             f"commit_prefix {self.commit_prefix}")
+        object.__setattr__(self, "_locked_commit", commit)
 
 
 class RemoteFile(Strict):

@@ -88,6 +88,11 @@ class Workspace:
         return self.meta_dir / "lock"
 
     @property
+    def sources_lock_file(self) -> Path:
+        """Full SHAs that abbreviated pins (``commit_prefix``) resolved to, once."""
+        return self.meta_dir / "sources.lock.json"
+
+    @property
     def provenance_file(self) -> Path:
         return self.root / "provenance.json"
 
