@@ -129,7 +129,12 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
     fp = recipe_inputs(ctx, stage)
     module = _load_module(stage)
     extra = getattr(module, "fingerprint_inputs", None) if module else None
-    if extra is not None:
+    if extra is not None and _runs_in_container(ctx, stage.name):
+        # its tool versions are the container's: the host takes those the container recorded
+        # (the container's own run computes them afresh when it runs the stage)
+        recorded = state.get("stages", {}).get(stage.name, {}).get("fingerprint") or {}
+        fp.update({k: v for k, v in recorded.items() if k.startswith("input.")})
+    elif extra is not None:
         sub_ctx = _sub_context(ctx, stage.name)
         for key, value in extra(sub_ctx).items():
             fp[f"input.{key}"] = str(value)
@@ -139,6 +144,14 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         fp[f"stage.{need}"] = _digest([upstream, record.get("outputs")])
     memo[stage.name] = fp
     return fp
+
+
+def _runs_in_container(ctx: StageContext, stage: str) -> bool:
+    if ctx.recipe.runtime.kind != "container":
+        return False  # the common case costs no import
+    from dsv4_offload.container import runs_inside
+
+    return runs_inside(ctx.recipe, stage)
 
 
 def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -318,10 +331,12 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
             items.append(PlanItem(s.name, "run", "forced"))
             continue
         st = stage_status(ctx, s, state, memo)
+        where = (f" (in container {ctx.recipe.runtime.name})"
+                 if _runs_in_container(ctx, s.name) else "")
         if st.state == "done":
             items.append(PlanItem(s.name, "skip", "done, inputs unchanged"))
         else:
-            items.append(PlanItem(s.name, "run", st.reason or st.state))
+            items.append(PlanItem(s.name, "run", (st.reason or st.state) + where))
     return items
 
 
@@ -356,7 +371,13 @@ def run_pipeline(
             on_stage(stage.name, "run")
         options = dict(ctx.options)
         options.update(stage.run_options)
-        result = run_stage(ctx, stage.name, options)
+        if _runs_in_container(ctx, stage.name):
+            from dsv4_offload.container import run_stage_inside
+
+            # the container's own `run` records the stage in the shared state file
+            result = run_stage_inside(ctx, stage.name, options)
+        else:
+            result = run_stage(ctx, stage.name, options)
         results.append((stage.name, result))
         if not result.ok:
             return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)

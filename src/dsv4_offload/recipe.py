@@ -436,10 +436,54 @@ class Host(Strict):
 # --- recipe --------------------------------------------------------------------------------
 
 
+class Runtime(Strict):
+    """Where the NPU-side stages run: on this host, or in a container of ``image``.
+
+    The container defaults are the delivery's ``scripts/launch_dsv4_singleCard_cann8.5.0_910b.sh``
+    (cann-recipes-infer @ 1a7fbd3); each field names its line there.
+    """
+
+    kind: Literal["host", "container"] = "host"
+    image: str | None = Field(None, description="launch script line 21 (IMAGE)")
+    name: Name = Field("dsv4_singlecard", description="line 22 (NAME)")
+    shm_size: str = Field("16g", pattern=r"^\d+[bkmg]?$", description="line 26 (SHM_SIZE)")
+    devices: str = Field(
+        "auto", pattern=r"^(auto|\d+(,\d+)*)$",
+        description="line 27 (NPU_VISIBLE_DEVICES): auto = every /dev/davinciN, or '0,3'")
+    mounts: list[str] = Field(
+        ["/usr/local/sbin:/usr/local/sbin", "/usr/local/dcmi:/usr/local/dcmi",
+         "/usr/local/bin/npu-smi:/usr/local/bin/npu-smi",
+         "/usr/local/Ascend/driver/:/usr/local/Ascend/driver/",
+         "/usr/local/Ascend/firmware:/usr/local/Ascend/firmware",
+         "/etc/ascend_install.info:/etc/ascend_install.info",
+         "/var/queue_schedule:/var/queue_schedule"],
+        description="lines 46-52: driver, firmware, npu-smi, dcmi, sbin (HOST:CONTAINER)")
+    packages: list[str] = Field(
+        ["libhwloc-dev", "libhwloc15", "pkg-config"],
+        description="apt packages the image lacks (guide G105-108: lost when recreated)")
+    python: str = Field("python3.11", description="the image's python, runs this tool inside")
+    tool_dir: str = Field("/opt/dsv4-offload", description="where the tool's wheel goes inside")
+    stages: list[str] = Field(
+        ["build", "selftest", "serve", "accept"],
+        description="stages `run` sends into the container; the others stay on the host")
+
+    @model_validator(mode="after")
+    def _image(self) -> Runtime:
+        if self.kind == "container" and not self.image:
+            raise ValueError("runtime.kind 'container' needs runtime.image, e.g. "
+                             "lmsysorg/sglang:deepseek-v4-npu-910b")
+        for mount in self.mounts:
+            host, sep, inside = mount.partition(":")
+            if not sep or not host.startswith("/") or not inside.startswith("/"):
+                raise ValueError(f"runtime.mounts: '{mount}' must be /host/path:/container/path")
+        return self
+
+
 class Platform(Strict):
     npu: str
     cann: str
     image: str | None = None
+    environment: str = Field("", description="the environment the guide brings up, in words")
     cc: str | None = None
     cxx: str | None = None
 
@@ -459,6 +503,7 @@ class Recipe(Strict):
     serve: Serve
     acceptance: Acceptance
     host: Host
+    runtime: Runtime = Runtime()
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:
@@ -829,6 +874,8 @@ def load_recipe(spec: str | None = None, overrides: list[str] | None = None) -> 
         raise _first_error(str(path), located, exc, overrides or []) from None
     object.__setattr__(recipe, "_path", path)
     object.__setattr__(recipe, "_chain", tuple(chain))
+    # the `--set` items, so a stage run elsewhere (the container) sees the same recipe
+    object.__setattr__(recipe, "_overrides", list(overrides or []))
     return recipe
 
 
