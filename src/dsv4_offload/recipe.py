@@ -211,25 +211,81 @@ class Series(Strict):
 # --- builds --------------------------------------------------------------------------------
 
 
+class StepCheck(Strict):
+    """A command that must succeed before or after a step; a failure names it and its fix."""
+
+    name: Name
+    run: list[str] = Field(min_length=1, description="argv; placeholders as in command")
+    when: Literal["before", "after"] = "before"
+    cwd: Literal["workdir", "neutral"] = Field(
+        "workdir", description="'neutral': an empty directory and no PYTHONPATH, so no source "
+        "tree shadows an installed package")
+    fix: str = Field(min_length=1)
+    why: str = Field("", description="where the upstream says so (file:line)")
+
+
+class FileEdit(Strict):
+    """A workaround edit of a fetched file: ``append`` to the first line matching ``line``."""
+
+    file: RelPath = Field(description="relative to the step's workdir")
+    line: str = Field(min_length=1, description="regular expression of the line to extend")
+    append: str = Field(min_length=1)
+    unless: str = Field(min_length=1, description="already applied when the file contains it")
+    why: str = ""
+
+
+class RunPackage(Strict):
+    """A CANN ``.run`` package the step's command produced, installed after it."""
+
+    glob: str = Field(min_length=1, description="relative to the workdir; the first match")
+    args: list[str] = []
+
+
 class BuildStep(Strict):
     name: Name
-    workdir: RelPath = Field(description="relative to the workspace")
-    command: list[str] = Field(min_length=1)
+    workdir: RelPath | None = Field(None, description="relative to the workspace (default: it)")
+    command: list[str] = Field([], description="argv; empty for a step of checks only")
     env: dict[str, str] = {}
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = False
     description: str = ""
+    umask: str | None = Field(None, pattern=r"^0?[0-7]{3}$",
+                              description="the umask the command runs with, e.g. 0022")
+    chmod_go_w: bool = Field(False, description="`chmod -R go-w` the workdir first, checked")
+    source_env: list[str] = Field(
+        [], description="scripts sourced (nounset off) before the command and the checks")
+    edits: list[FileEdit] = []
+    install_run: RunPackage | None = None
+    require_installed: list[str] = Field(
+        [], description="distributions whose installed version must match build.constraints")
+    checks: list[StepCheck] = []
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> BuildStep:
+        if not (self.command or self.checks or self.require_installed):
+            raise ValueError(f"step '{self.name}': give a command, checks or require_installed")
+        if (self.install_run or self.expect_markers) and not self.command:
+            raise ValueError(f"step '{self.name}': install_run and expect_markers need a command")
+        return self
 
 
 class Build(Strict):
     python: str = "python3.11"
+    vars: dict[Name, str] = Field(
+        {}, description="{name} placeholders of steps; ~ and $VAR are expanded")
+    files: dict[Name, RemoteFile] = Field(
+        {}, description="files of pinned sources, checked by sha256 before any step: {file:NAME}")
+    constraints: Name | None = Field(
+        None, description="a build.files entry passed as pip constraints to every step")
     steps: list[BuildStep] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _unique(self) -> Build:
         _no_duplicates([s.name for s in self.steps], "steps", "name")
+        if self.constraints is not None and self.constraints not in self.files:
+            raise ValueError(f"constraints '{self.constraints}' is not a build.files name")
         return self
 
 
@@ -516,6 +572,9 @@ class Recipe(Strict):
         for s in self.sources:
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
+        for key, remote in self.build.files.items():
+            if remote.source not in names:
+                raise ValueError(f"build.files.{key}.source '{remote.source}' is not a source")
         manifest = self.conversion.digests_manifest
         if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")
