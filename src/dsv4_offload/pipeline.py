@@ -305,6 +305,7 @@ class PlanItem:
     stage: str
     action: str  # run | skip
     reason: str
+    steps: list[str] = field(default_factory=list)  # build: its steps, in order
 
 
 def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
@@ -327,16 +328,17 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
     memo: dict[str, dict[str, str]] = {}
     items = []
     for s in stages:
+        steps = [b.name for b in ctx.recipe.build.steps] if s.name == "build" else []
         if s.name in force:
-            items.append(PlanItem(s.name, "run", "forced"))
+            items.append(PlanItem(s.name, "run", "forced", steps))
             continue
         st = stage_status(ctx, s, state, memo)
         where = (f" (in container {ctx.recipe.runtime.name})"
                  if _runs_in_container(ctx, s.name) else "")
         if st.state == "done":
-            items.append(PlanItem(s.name, "skip", "done, inputs unchanged"))
+            items.append(PlanItem(s.name, "skip", "done, inputs unchanged", steps))
         else:
-            items.append(PlanItem(s.name, "run", (st.reason or st.state) + where))
+            items.append(PlanItem(s.name, "run", (st.reason or st.state) + where, steps))
     return items
 
 

@@ -392,7 +392,8 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         report.fix = "run `dsv4-offload fetch` and `dsv4-offload patch apply` first"
         return report
     log.parent.mkdir(parents=True, exist_ok=True)
-    offset = log.stat().st_size if log.exists() else 0
+    log.touch()  # a step of checks only still has its log
+    offset = log.stat().st_size
     places = bringup.Placeholders(ctx.recipe, ctx.workspace, python)
     constraints = (places.file_path(ctx.recipe.build.constraints)
                    if ctx.recipe.build.constraints else None)
