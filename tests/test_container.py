@@ -277,3 +277,60 @@ def test_container_stage_cannot_take_the_lock_without_the_token(
             Workspace(tmp_path / "other").lend_lock().__enter__()
     with pytest.raises(LockedError), ws.lock("a"), Workspace(ws.root).lock("b"):
         pass
+
+
+def test_serve_status_and_stop_go_where_the_server_runs(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    assert cli(*_args(ws), "run", "--to", "serve", env=env).code == 0
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["serve"]["container"] == NAME
+    assert "container" not in state["stages"]["fetch"]
+    before = len(_calls(docker_env))
+    r = cli(*_args(ws), "serve", "status", env=env)
+    assert r.code == 1 and "no server started from this workspace" in r.out  # said inside
+    inner = [c for c in _calls(docker_env)[before:] if c[1] == "exec"][-1]
+    assert inner[-2:] == ["serve", "status"] and f"DSV4_IN_CONTAINER={NAME}" in inner
+    assert cli(*_args(ws), "container", "down", env=env).code == 0
+    r = cli(*_args(ws), "serve", "stop", env=env)
+    assert r.code == 1 and f"container {NAME} is not running: no server" in r.out
+
+
+def test_exec_refuses_a_recipe_the_container_cannot_see(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    recipe = tmp_path / "elsewhere" / "mine.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("extends: dsv4-flash-910b\nname: mine\n")
+    r = cli(*_args(tmp_path / "ws"), "--recipe", str(recipe), "container", "exec", "--",
+            "status", env=docker_env)
+    assert r.code == 2
+    assert f"recipe file {recipe} is not visible in the container" in r.err
+
+
+def test_doctor_reports_docker_the_image_and_where_it_runs() -> None:
+    from dsv4_offload.host import probe_host
+    from dsv4_offload.recipe import load_recipe
+    from dsv4_offload.stages.doctor import RuntimeFacts, check_runtime
+
+    recipe = load_recipe("dsv4-flash-910b")
+    facts = probe_host(root=FIXTURE, npu_smi=["cat", str(FIXTURE / "npu-smi-info.txt")])
+    assert facts.tools.get("docker")  # the fixture's client
+
+    def rows(rf: RuntimeFacts, r=recipe):  # type: ignore[no-untyped-def]
+        return {c.name: (c.status, c.observed, c.fix) for c in check_runtime(r, facts, rf)}
+
+    assert rows(RuntimeFacts(False, "arm64"))["image"][:2] == ("ok", "present, arm64")
+    assert rows(RuntimeFacts(False, "arm64"))["container"][1] == "on the host"
+    missing = rows(RuntimeFacts(False, None))["image"]
+    assert missing[0] == "warn" and "container up" in missing[2]
+    wrong = rows(RuntimeFacts(False, "amd64"))["image"]
+    assert wrong[0] == "fail" and "--platform linux/arm64" in wrong[2]
+    inside = rows(RuntimeFacts(True))
+    assert inside["container"][1] == "inside a container" and "image" not in inside
+    assert "image" not in rows(RuntimeFacts(False), load_recipe("dsv4-flash-a3"))
+    import dataclasses
+
+    facts = dataclasses.replace(facts, tools={**facts.tools, "docker": None})
+    assert rows(RuntimeFacts(False, "arm64"))["image"][0] == "fail"

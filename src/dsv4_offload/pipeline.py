@@ -269,12 +269,16 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
     fp = fingerprint(sub, stage, ws.read_state())
-    ws.write_stage_record(name, {
+    record = {
         "status": "done", "started": started, "ended": now_iso(),
         "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,
         "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
         "log": result.log,
-    })
+    }
+    inside = os.environ.get("DSV4_IN_CONTAINER")
+    if inside:
+        record["container"] = inside  # where its processes live (serve stop/status go there)
+    ws.write_stage_record(name, record)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
     from dsv4_offload.recipe import recipe_path

@@ -141,3 +141,33 @@ def down(ctx: typer.Context) -> None:
                                                            "removed": removed},
          lines=[f"removed {plan.name}" if removed else f"no container {plan.name}"])
     exit_with(ExitCode.OK)
+
+
+def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list[str]) -> bool:
+    """Run ``args`` in the recipe's container when ``stage`` last ran there; False when it
+    did not (the caller goes on here). The server's pids are the container's: signalling
+    them from the host would reach other processes."""
+    from dsv4_offload.container import (
+        exec_argv,
+        find_container,
+        plan_container,
+        runs_inside,
+    )
+    from dsv4_offload.recipe import recipe_path
+
+    record = sctx.workspace.read_state().get("stages", {}).get(stage) or {}
+    if not record.get("container") or not runs_inside(sctx.recipe, stage):
+        return False  # it ran here
+    plan = plan_container(sctx.recipe, sctx.workspace)
+    found = find_container(plan.name)
+    g = options_of(ctx)
+    if found is None or found.state != "running":
+        emit(ctx, command=" ".join(args), status="failed", data={"container": plan.name,
+                                                                 "running": False},
+             lines=[f"container {plan.name} is not running: no server"])
+        exit_with(ExitCode.FAILED)
+    path = recipe_path(sctx.recipe)
+    inner = ["--json", *args] if g.json else list(args)
+    code = subprocess.call(exec_argv(plan, sctx.workspace, str(path) if path else None,
+                                     g.overrides, inner))
+    exit_with(code)
