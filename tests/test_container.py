@@ -334,3 +334,22 @@ def test_doctor_reports_docker_the_image_and_where_it_runs() -> None:
 
     facts = dataclasses.replace(facts, tools={**facts.tools, "docker": None})
     assert rows(RuntimeFacts(False, "arm64"))["image"][0] == "fail"
+
+
+@pytest.mark.parametrize(("behave", "said"), [("fail", "told to fail"),
+                                              ("raise", "build: bad input; fix it")])
+def test_a_stage_failing_in_the_container_stops_run_with_its_reason(
+        cli, tmp_path: Path, docker_env: dict[str, str], fake_stages_env: dict[str, str],
+        behave: str, said: str) -> None:
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "build").write_text(behave)
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "--json", "run", env=env)
+    assert r.code == 1
+    doc = r.json()["data"]
+    assert doc["stopped_at"] == "build"
+    assert any(said in p["message"] for p in doc["stages"]["build"]["problems"])
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["status"] == "failed"  # recorded by the container's run
+    assert "download" not in state["stages"]

@@ -490,13 +490,17 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
             code, out = _run_capturing(argv, log)
     try:
         doc = json.loads(out)
-        record = doc["data"]["stages"][stage]
-    except (ValueError, KeyError, TypeError):
-        return StageResult(Status.FAILED, f"{stage} in container {plan.name} gave no result "
-                           f"(exit {code})", problems=[Problem(
-                               "error", f"`docker exec {plan.name}` exited {code} without a "
-                               "result", fix=f"see the log: {log}", check="container")],
-                           log=str(log))
+    except ValueError:
+        doc = {}
+    data = doc.get("data") if isinstance(doc, dict) else None
+    record = (data.get("stages") or {}).get(stage) if isinstance(data, dict) else None
+    if not isinstance(record, dict):
+        # an expected error inside (bad input, a locked workspace) prints {"error": ...}
+        error = data.get("error") if isinstance(data, dict) else None
+        message = error or f"`docker exec {plan.name}` exited {code} without a result"
+        return StageResult(Status.FAILED, f"{stage} in container {plan.name} failed",
+                           problems=[Problem("error", message, fix=f"see the log: {log}",
+                                             check="container")], log=str(log))
     return StageResult(
         Status(record["status"]), record.get("summary", ""), data=record.get("data") or {},
         problems=[Problem(p["severity"], p["message"], p.get("fix", ""), p.get("check", ""))

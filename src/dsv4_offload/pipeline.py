@@ -45,7 +45,9 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("doctor", (), ("host",), summary="host preflight"),
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
-    StageSpec("build", ("patch",), ("build", "platform"), summary="kt-kernel, gguf-py, sglang"),
+    # a build made in another image (or on the host instead of in one) is not this one
+    StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
+              summary="kt-kernel, gguf-py, sglang"),
     StageSpec("download", (), ("weights",), summary="W8A8 and MXFP4 weights"),
     StageSpec(
         "convert",

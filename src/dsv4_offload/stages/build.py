@@ -424,7 +424,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     why = "--clean" if ctx.option("clean") else (
         "its command, env or python changed since the last build"
         if built_with and built_with != report.settings else "")
-    if why and step.command and clean_build_dir(workdir):
+    if why and step.command and step.workdir and clean_build_dir(workdir):
         report.cleaned = why
     if step.name == KT_KERNEL_STEP:
         link_kt_kernel_package(workdir)
