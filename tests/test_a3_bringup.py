@@ -228,10 +228,19 @@ def test_the_bring_up_runs_in_order_with_constraints_and_workarounds(cli, a3: di
     # the vendors landed in CANN's opp (S187, S233)
     assert (a3["cann"] / "opp/vendors/customize/bin/set_env.bash").is_file()
     assert (a3["cann"] / "opp/vendors/custom_transformer/bin/set_env.bash").is_file()
-    # a rerun finds the -ldl edit in place
+    # a rerun finds the -ldl edit in place, and removes the read-only vendor a first build
+    # installed (S259-261)
+    vendors = ws / "src/sgl-kernel-npu/python/deep_ep/deep_ep/vendors"
+    (vendors / "hwcomputing").mkdir(parents=True)
+    (vendors / "hwcomputing" / "uninstall.sh").write_text("#!/bin/sh\n")
+    for path in (vendors / "hwcomputing" / "uninstall.sh", vendors / "hwcomputing", vendors):
+        path.chmod(0o555)
     r, doc = _build(cli, a3, "sgl-kernel-npu")
     assert r.code == 0, r
     assert "already has CMAKE_DL_LIBS" in _log(a3, "sgl-kernel-npu")
+    assert "workaround read-only leftovers: removed python/deep_ep/deep_ep/vendors/hwcomputing" \
+        in _log(a3, "sgl-kernel-npu")
+    assert vendors.is_dir() and not (vendors / "hwcomputing").exists()
 
 
 def test_missing_hwloc_fails_prereq_by_name(cli, a3: dict) -> None:

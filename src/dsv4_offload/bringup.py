@@ -212,6 +212,32 @@ def chmod_go_w(root: Path, log: Path) -> None:
                          f"check the owner of {root} (chmod needs it) and rerun the build")
 
 
+def remove_first(workdir: Path, rel: str, log: Path) -> None:
+    """``chmod -R u+w`` the parent of ``rel``, then remove it (S259-261: deep_ep's vendor
+    installs read-only, so a second build fails on `rm uninstall.sh`)."""
+    import shutil
+
+    target = workdir / rel
+    parent = target.parent
+    if parent.is_dir() and parent.resolve().is_relative_to(workdir.resolve()):
+        for dirpath, _dirs, files in os.walk(parent):
+            for name in [dirpath, *[os.path.join(dirpath, f) for f in files]]:
+                path = Path(name)
+                if not path.is_symlink():
+                    path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)
+    else:
+        return
+    note(log, f"workaround read-only leftovers: removed {rel} (its parent made writable "
+              "first, setup_dsv4_env_from_clean_cann.sh lines 259-261)")
+    if target.exists():
+        raise StepFailed(f"workaround read-only leftovers: {target} could not be removed",
+                         f"remove it by hand (chmod -R u+w {parent}; rm -rf {target})")
+
+
 # --- edits ----------------------------------------------------------------------------------
 
 

@@ -257,6 +257,9 @@ class BuildStep(Strict):
     source_env: list[str] = Field(
         [], description="scripts sourced (nounset off) before the command and the checks")
     edits: list[FileEdit] = []
+    remove_first: list[RelPath] = Field(
+        [], description="leftovers of an earlier build removed before the command (relative "
+        "to the workdir; their parent made writable first, as read-only installs leave it)")
     install_run: RunPackage | None = None
     require_installed: list[str] = Field(
         [], description="distributions whose installed version must match build.constraints")

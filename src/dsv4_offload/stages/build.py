@@ -405,6 +405,8 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             bringup.chmod_go_w(workdir, log)
         for edit in step.edits:
             bringup.apply_edit(workdir, edit, log)
+        for rel in step.remove_first:
+            bringup.remove_first(workdir, rel, log)
         argv = bringup.with_constraints(places.argv(step.command, workdir), constraints)
         _run_checks(step, "before", places, workdir, env, python, log)
     except bringup.StepFailed as exc:
