@@ -353,3 +353,40 @@ def test_a_stage_failing_in_the_container_stops_run_with_its_reason(
     state = json.loads((ws / ".dsv4/state.json").read_text())
     assert state["stages"]["build"]["status"] == "failed"  # recorded by the container's run
     assert "download" not in state["stages"]
+
+
+def test_ctrl_c_on_the_host_stops_the_stage_in_the_container(
+        tmp_path: Path, docker_env: dict[str, str], fake_stages_env: dict[str, str]) -> None:
+    import signal
+    import subprocess
+    import time
+
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "build").write_text("sleep")
+    env = {**os.environ, **docker_env,
+           "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    env.pop("DSV4_RUNTIME", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_offload", *_args(ws), "run"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ws / "build.started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        state = json.loads((ws / ".dsv4/state.json").read_text())
+        inner_pid = state["stages"]["build"]["pid"]
+        assert inner_pid != proc.pid  # the container's process, not ours
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["status"] == "failed"
+    assert "Ctrl-C" in state["stages"]["build"]["error"]  # recorded by the container's run
+    with pytest.raises(ProcessLookupError):
+        os.kill(inner_pid, 0)
+    assert "lent" not in (ws / ".dsv4/lock").read_text()

@@ -213,7 +213,7 @@ def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) 
 def image_architecture(image: str) -> str | None:
     """The image's architecture when it is present locally, else None."""
     code, out = docker_query(["image", "inspect", "--format", "{{.Architecture}}", image])
-    return out.strip() or "unknown" if code == 0 else None
+    return (out.strip() or "unknown") if code == 0 else None
 
 
 @dataclass
@@ -487,7 +487,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
     with ctx.workspace.lend_lock() as token:
         argv = exec_argv(plan, ctx.workspace, spec, overrides, args, {HANDOFF_ENV: token})
         with ctx.task(f"{stage} in {plan.name}"):
-            code, out = _run_capturing(argv, log)
+            code, out = _run_capturing(
+                argv, log, on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
     try:
         doc = json.loads(out)
     except ValueError:
@@ -508,8 +509,23 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
         outputs=record.get("outputs") or {}, log=record.get("log") or str(log))
 
 
-def _run_capturing(argv: list[str], log: Path) -> tuple[int, str]:
-    """Run ``argv``: stdout returned (the JSON), stderr appended to ``log``; Ctrl-C safe."""
+def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> None:
+    """Ctrl-C for the stage's process in the container: killing the `docker exec` client
+    would leave it running (and writing the state) after the host let go of the lock."""
+    record = workspace.read_state().get("stages", {}).get(stage) or {}
+    pid = record.get("pid")
+    if record.get("status") == "running" and isinstance(pid, int):
+        with contextlib.suppress(Dsv4Error):
+            docker_query(_exec(plan, ["kill", "-INT", str(pid)]))
+
+
+def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
+                   grace: float = 60.0) -> tuple[int, str]:
+    """Run ``argv``: stdout returned (the JSON), stderr appended to ``log``.
+
+    On Ctrl-C, ``on_interrupt`` stops the work inside first; the client gets ``grace``
+    seconds to come back with it before it is killed.
+    """
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
@@ -518,6 +534,10 @@ def _run_capturing(argv: list[str], log: Path) -> tuple[int, str]:
         try:
             out, _ = proc.communicate()
         except BaseException:
+            if on_interrupt is not None:
+                on_interrupt()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             proc.wait()
