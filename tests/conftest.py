@@ -49,7 +49,9 @@ def cli():  # type: ignore[no-untyped-def]
 def fake_stages_env() -> dict[str, str]:
     """Environment selecting the instrumented stage package for pipeline tests."""
     path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path}
+    # the bundled 910B recipe runs build/serve/accept in its image: these tests are about
+    # the pipeline on one host, and no Docker engine runs here
+    return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path, "DSV4_RUNTIME": "host"}
 
 
 @pytest.fixture(scope="session", autouse=True)

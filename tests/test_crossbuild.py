@@ -20,7 +20,6 @@ import pytest
 
 from dsv4_offload import crossbuild
 from dsv4_offload.recipe import load_recipe, load_recipe_and_series, load_series
-from dsv4_offload.stages.build import expand_command
 from dsv4_offload.workspace import Workspace
 
 CROSS = "aarch64-linux-gnu"
@@ -243,8 +242,14 @@ def crossbuild_series_path(name: str) -> Path:
 
 
 def test_step_commands_name_the_tool_python_and_the_workspace(tmp_path: Path) -> None:
-    argv = expand_command(["{tool_python}", "-m", "x", "--dir", "{workspace}/sysroot",
-                           "{python}"], "/usr/bin/python3.11", tmp_path)
+    from dsv4_offload.bringup import Placeholders
+    from dsv4_offload.recipe import load_recipe
+    from dsv4_offload.workspace import Workspace
+
+    places = Placeholders(load_recipe("dsv4-flash-arm-rehearsal"), Workspace(tmp_path),
+                          "/usr/bin/python3.11")
+    argv = places.argv(["{tool_python}", "-m", "x", "--dir", "{workspace}/sysroot", "{python}"],
+                       tmp_path)
     assert argv == [sys.executable, "-m", "x", "--dir", f"{tmp_path}/sysroot",
                     "/usr/bin/python3.11"]
 

@@ -235,7 +235,7 @@ def build_step_tree(recipe: Recipe, step: BuildStep) -> list[Scope]:
     if step.log_sources is not None:
         names = list(step.log_sources)
     else:
-        holder = _source_of_path(recipe, step.workdir)
+        holder = _source_of_path(recipe, step.workdir) if step.workdir else None
         names = [holder, *_nested_in(recipe, holder)] if holder else []
     return [Scope(n, excludes=DOC_EXCLUDES) for n in names]
 
@@ -287,7 +287,7 @@ def wanted_markers(recipe: Recipe, series: Series, *, steps: Sequence[str] | Non
         if steps is not None and step.name not in steps:
             continue
         tree = build_step_tree(recipe, step)
-        near = _workdir_in_source(recipe, step.workdir)
+        near = _workdir_in_source(recipe, step.workdir) if step.workdir else ""
         out += [_Wanted("expect", f"build.steps[{step.name}].expect_markers", m, 0, tree, near)
                 for m in step.expect_markers]
         out += [_Wanted("forbid", f"build.steps[{step.name}].forbid_markers", m, 0, tree, near)

@@ -167,12 +167,12 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
     hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
     fetched = time.monotonic() - start
     repo = hist.repo
-    if hist.commit != source.commit and gitsrc.git_ok(repo, "merge-base", "--is-ancestor",
-                                                      hist.commit, source.commit):
+    if hist.commit != source.pinned and gitsrc.git_ok(repo, "merge-base", "--is-ancestor",
+                                                      hist.commit, source.pinned):
         raise InputError(f"--bisect {target}={ref}: {hist.commit[:12]} is an ancestor of the "
-                         f"pinned commit {source.commit[:12]}; the walk goes forward, give a "
+                         f"pinned commit {source.pinned[:12]}; the walk goes forward, give a "
                          "later REF")
-    walk = first_parent_walk(repo, source.commit, hist.commit)
+    walk = first_parent_walk(repo, source.pinned, hist.commit)
     commits = walk.commits
     states: list[list[tuple[str, str]]] = []  # per commit: (status, detail) per patch
     checked = 0
@@ -214,7 +214,7 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
         if clean:  # the last clean commit of the walk, wherever the states went before it
             h.last_clean = _point(repo, walk, commits[clean[-1]], CLEAN, "", paths[k])
         histories.append(h)
-    return BisectReport(target, source.commit, ref, hist.commit, len(commits), checked,
+    return BisectReport(target, source.pinned, ref, hist.commit, len(commits), checked,
                         round(time.monotonic() - start, 3), round(fetched, 3), histories,
                         hist.note)
 
@@ -415,11 +415,11 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
     _git(repo, ["worktree", "prune"], log, check=False)
     worktree.parent.mkdir(parents=True, exist_ok=True)
     _git(repo, ["worktree", "add", "-q", "--no-checkout", "--detach", str(worktree),
-                source.commit], log)
-    state = RebaseState(target, ref, hist.commit, source.commit, series.name, str(repo),
+                source.pinned], log)
+    state = RebaseState(target, ref, hist.commit, source.pinned, series.name, str(repo),
                         str(worktree), branch, str(out_dir), [])
     try:
-        env = commit_env(worktree, source.commit)
+        env = commit_env(worktree, source.pinned)
         with tempfile.TemporaryDirectory(prefix="dsv4-rebase-") as tmp:
             files = [p.write_to(Path(tmp)) for p in loaded]
             # a sparse work tree of the touched files only: the history stays blob-less
@@ -433,7 +433,7 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
                     apply_one(worktree, patch, patch.write_to(Path(tmp)), log, env)
                 except CommandFailed as exc:
                     raise InputError(f"patch '{patch.entry.name}' does not apply to its pinned "
-                                     f"commit {source.commit[:12]}; run `patch check` first "
+                                     f"commit {source.pinned[:12]}; run `patch check` first "
                                      f"(see the log: {log})") from exc
                 state.picks.append(Pick(patch.entry.name, gitsrc.git_text(
                     worktree, "rev-parse", "HEAD")))

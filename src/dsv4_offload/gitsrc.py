@@ -271,7 +271,7 @@ def fetch_commit(source: Source, *, log: Path, mirrors: dict[str, list[str]] | N
     3. some hosts refuse an unadvertised SHA, so then fetch the recipe's ref (depth 1, then
        its whole history) or, without a ref, all branches, and check the commit is there.
     """
-    commit = commit or source.commit
+    commit = commit or source.pinned
     repo = ensure_cache_repo(source.name)
     outcome = FetchOutcome(source.name, commit, repo)
     with _cache_lock(repo):
@@ -321,6 +321,92 @@ def _fetch_from(repo: Path, url: str, source: Source, commit: str, log: Path,
     return False
 
 
+def resolve_commit_prefix(source: Source, *, log: Path,
+                          mirrors: dict[str, list[str]] | None = None,
+                          task: Task | None = None) -> str:
+    """The one commit on ``source.branch`` whose SHA starts with ``source.commit_prefix``.
+
+    The branch's whole history is fetched (an abbreviated SHA cannot be asked of a server);
+    no match or more than one match is an error that says so.
+    """
+    prefix, branch = source.commit_prefix, source.branch
+    if prefix is None or branch is None:
+        raise InputError(f"source '{source.name}' has no commit_prefix + branch to resolve")
+    repo = ensure_cache_repo(source.name)
+    local = f"refs/dsv4/branches/{_ref_slug(branch)}"
+    attempts: list[str] = []
+    with _cache_lock(repo):
+        for url in candidate_urls(source, mirrors):
+            depth = ["--unshallow"] if (repo / "shallow").exists() else []
+            ok, why, _ = _fetch(repo, [*depth, url, f"+refs/heads/{branch}:{local}"], log, task)
+            if ok:
+                break
+            attempts.append(f"{url}: {why}")
+        else:
+            raise Dsv4Error(f"source '{source.name}': branch {branch} could not be fetched to "
+                            f"resolve {prefix} ({'; '.join(attempts)}); check the network or "
+                            f"pass --mirror {source.name}=URL", log=str(log))
+        history = git_text(repo, "rev-list", local).split()
+    return pick_prefix_match(source.name, prefix, branch, history)
+
+
+def pick_prefix_match(name: str, prefix: str, branch: str, history: list[str]) -> str:
+    """The single SHA of ``history`` that starts with ``prefix``, else a one-line error."""
+    matches = [c for c in history if c.startswith(prefix)]
+    if not matches:
+        raise InputError(f"source '{name}': no commit on {branch} starts with {prefix} "
+                         f"({len(history)} commits searched); check commit_prefix and branch")
+    if len(matches) > 1:
+        shown = ", ".join(m[:12] for m in matches[:4])
+        raise InputError(f"source '{name}': commit_prefix {prefix} is ambiguous on {branch} "
+                         f"({len(matches)} commits: {shown}); write the full SHA in 'commit' "
+                         "or more digits in 'commit_prefix'")
+    return matches[0]
+
+
+# --- the source lock: prefix pins resolved once -------------------------------------------
+
+
+def read_source_locks(lock_file: Path) -> dict[str, dict[str, str]]:
+    """``name -> {commit_prefix, branch, commit, resolved}`` from the workspace lock file."""
+    from dsv4_offload.workspace import read_json
+
+    doc = read_json(lock_file, {})
+    locks = doc.get("sources") if isinstance(doc, dict) else None
+    if not isinstance(locks, dict):
+        return {}
+    return {k: v for k, v in locks.items() if isinstance(v, dict)}
+
+
+def apply_source_locks(recipe: Recipe, lock_file: Path) -> list[str]:
+    """Give each prefix-pinned source the full SHA locked for it; the names left unlocked."""
+    locks = read_source_locks(lock_file)
+    unlocked = []
+    for source in recipe.sources:
+        if source.commit_prefix is None:
+            continue
+        entry = locks.get(source.name) or {}
+        commit = entry.get("commit", "")
+        if (entry.get("commit_prefix") == source.commit_prefix
+                and entry.get("branch") == source.branch and _HEX40.match(commit)
+                and commit.startswith(source.commit_prefix)):
+            source.lock(commit)
+        else:
+            unlocked.append(source.name)
+    return unlocked
+
+
+def write_source_lock(lock_file: Path, source: Source, commit: str) -> None:
+    """Record a resolved prefix (atomically) so later fetches use the same commit."""
+    from dsv4_offload.workspace import atomic_write_json, now_iso
+
+    locks = read_source_locks(lock_file)
+    locks[source.name] = {"commit_prefix": source.commit_prefix or "",
+                          "branch": source.branch or "", "url": source.url, "commit": commit,
+                          "resolved": now_iso()}
+    atomic_write_json(lock_file, {"schema": 1, "sources": locks})
+
+
 def _unreachable(why: str) -> bool:
     """A dead host or path: no point asking it again for a ref."""
     return bool(re.search(r"does not appear to be a git repository|Could not resolve host|"
@@ -354,11 +440,11 @@ def read_blob(source: Source, path: str, places: Sequence[Path]) -> bytes | None
     """A file of ``source`` at its pinned commit, from the first repo that has the commit."""
     for repo in places:
         is_repo = (repo / "HEAD").exists() or (repo / ".git").exists()
-        if is_repo and has_commit(repo, source.commit):
+        if is_repo and has_commit(repo, source.pinned):
             import git
 
             try:
-                return git_bytes(repo, "cat-file", "blob", f"{source.commit}:{path}")
+                return git_bytes(repo, "cat-file", "blob", f"{source.pinned}:{path}")
             except git.GitCommandError:
                 return None
     return None
@@ -466,13 +552,13 @@ def create_checkout(path: Path, source: Source, log: Path) -> None:
         run_command(["git", "init", "-q", str(work)], log=log, env=env)
         # by ref name, not SHA: a user's protocol.version=0 would refuse a bare SHA even locally
         run_command(["git", "fetch", "-q", "--no-tags", "--depth", "1", str(cache),
-                     f"{PIN_REF_PREFIX}{source.commit}:{PINNED_REF}"], log=log, cwd=work, env=env)
-        run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.commit],
+                     f"{PIN_REF_PREFIX}{source.pinned}:{PINNED_REF}"], log=log, cwd=work, env=env)
+        run_command(["git", "checkout", "-q", "-B", CHECKOUT_BRANCH, source.pinned],
                     log=log, cwd=work, env=env)
         git_ok(work, "remote", "add", "origin", source.url)
         head = head_commit(work)
-        if head != source.commit:
-            raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.commit}; "
+        if head != source.pinned:
+            raise Dsv4Error(f"{path}: HEAD is {head} after checkout, expected {source.pinned}; "
                             "the cache may be corrupt: move it aside and rerun", log=str(log))
         os.rename(work, path)  # replaces an empty directory (a gitlink placeholder) atomically
     except BaseException:
@@ -577,14 +663,14 @@ def fetch_history(source: Source, ref: str, *, log: Path,
                 continue
             named = ref if _HEX40.match(ref) else local
             commit = git_text(repo, "rev-parse", f"{named}^{{commit}}")
-            if not has_commit(repo, source.commit):
+            if not has_commit(repo, source.pinned):
                 # the pinned commit is not in the ref's history: ask for it by SHA
-                ok2, _ = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, source.commit],
+                ok2, _ = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, source.pinned],
                                     log)
-                if not ok2 or not has_commit(repo, source.commit):
-                    why = f"the pinned commit {source.commit[:12]} is not reachable from {ref}"
+                if not ok2 or not has_commit(repo, source.pinned):
+                    why = f"the pinned commit {source.pinned[:12]} is not reachable from {ref}"
                     continue
-            git_text(repo, "update-ref", PIN_REF_PREFIX + source.commit, source.commit)
+            git_text(repo, "update-ref", PIN_REF_PREFIX + source.pinned, source.pinned)
             git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
             return HistoryFetch(repo, commit, url, not note, note)
     raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "

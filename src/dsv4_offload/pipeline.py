@@ -45,7 +45,9 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec("doctor", (), ("host",), summary="host preflight"),
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
-    StageSpec("build", ("patch",), ("build", "platform"), summary="kt-kernel, gguf-py, sglang"),
+    # a build made in another image (or on the host instead of in one) is not this one
+    StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
+              summary="kt-kernel, gguf-py, sglang"),
     # before the downloads: a bad build stops `run` before hours of transfers
     StageSpec("selftest", ("build",), ("selftest",),
               summary="kt-kernel MXFP4 MoE vs a numpy reference"),
@@ -132,7 +134,12 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
     fp = recipe_inputs(ctx, stage)
     module = _load_module(stage)
     extra = getattr(module, "fingerprint_inputs", None) if module else None
-    if extra is not None:
+    if extra is not None and _runs_in_container(ctx, stage.name):
+        # its tool versions are the container's: the host takes those the container recorded
+        # (the container's own run computes them afresh when it runs the stage)
+        recorded = state.get("stages", {}).get(stage.name, {}).get("fingerprint") or {}
+        fp.update({k: v for k, v in recorded.items() if k.startswith("input.")})
+    elif extra is not None:
         sub_ctx = _sub_context(ctx, stage.name)
         for key, value in extra(sub_ctx).items():
             fp[f"input.{key}"] = str(value)
@@ -142,6 +149,14 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         fp[f"stage.{need}"] = _digest([upstream, record.get("outputs")])
     memo[stage.name] = fp
     return fp
+
+
+def _runs_in_container(ctx: StageContext, stage: str) -> bool:
+    if ctx.recipe.runtime.kind != "container":
+        return False  # the common case costs no import
+    from dsv4_offload.container import runs_inside
+
+    return runs_inside(ctx.recipe, stage)
 
 
 def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -278,12 +293,16 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
     fp = fingerprint(sub, stage, ws.read_state())
-    ws.write_stage_record(name, {
+    record = {
         "status": "done", "started": started, "ended": now_iso(),
         "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,
         "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
         "log": result.log,
-    })
+    }
+    inside = os.environ.get("DSV4_IN_CONTAINER")
+    if inside:
+        record["container"] = inside  # where its processes live (serve stop/status go there)
+    ws.write_stage_record(name, record)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
     from dsv4_offload.recipe import recipe_path
@@ -314,6 +333,7 @@ class PlanItem:
     stage: str
     action: str  # run | skip
     reason: str
+    steps: list[str] = field(default_factory=list)  # build: its steps, in order
 
 
 def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
@@ -336,16 +356,19 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
     memo: dict[str, dict[str, str]] = {}
     items = []
     for s in stages:
+        steps = [b.name for b in ctx.recipe.build.steps] if s.name == "build" else []
         if s.name in force:
-            items.append(PlanItem(s.name, "run", "forced"))
+            items.append(PlanItem(s.name, "run", "forced", steps))
             continue
         st = stage_status(ctx, s, state, memo)
+        where = (f" (in container {ctx.recipe.runtime.name})"
+                 if _runs_in_container(ctx, s.name) else "")
         if st.state == NOT_APPLICABLE:
-            items.append(PlanItem(s.name, "skip", st.reason))
+            items.append(PlanItem(s.name, "skip", st.reason, steps))
         elif st.state == "done":
-            items.append(PlanItem(s.name, "skip", "done, inputs unchanged"))
+            items.append(PlanItem(s.name, "skip", "done, inputs unchanged", steps))
         else:
-            items.append(PlanItem(s.name, "run", st.reason or st.state))
+            items.append(PlanItem(s.name, "run", (st.reason or st.state) + where, steps))
     return items
 
 
@@ -385,7 +408,13 @@ def run_pipeline(
             on_stage(stage.name, "run")
         options = dict(ctx.options)
         options.update(stage.run_options)
-        result = run_stage(ctx, stage.name, options)
+        if _runs_in_container(ctx, stage.name):
+            from dsv4_offload.container import run_stage_inside
+
+            # the container's own `run` records the stage in the shared state file
+            result = run_stage_inside(ctx, stage.name, options)
+        else:
+            result = run_stage(ctx, stage.name, options)
         results.append((stage.name, result))
         if not result.ok:
             return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)

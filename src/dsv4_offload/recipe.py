@@ -32,6 +32,7 @@ DEFAULT_RECIPE = "dsv4-flash-910b"
 SCHEMA_VERSION = 1
 
 _HEX40 = re.compile(r"^[0-9a-f]{40}$")
+_HEX_PREFIX = re.compile(r"^[0-9a-f]{7,39}$")
 _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
@@ -91,13 +92,29 @@ class Strict(BaseModel):
 # --- sources -------------------------------------------------------------------------------
 
 
+def _commit_prefix(value: str) -> str:
+    if not isinstance(value, str) or not _HEX_PREFIX.match(value):
+        raise ValueError("must be 7 to 39 lowercase hex digits (a full SHA goes in 'commit')")
+    return value
+
+
+CommitPrefix = Annotated[str, AfterValidator(_commit_prefix)]
+
+
 class Source(Strict):
-    """A git repository pinned at a full commit and where it goes in the workspace."""
+    """A git repository pinned at a full commit and where it goes in the workspace.
+
+    A source the upstream pins only by an abbreviated SHA says so with ``commit_prefix`` and
+    ``branch``: ``fetch`` resolves it once on that branch and locks the full SHA.
+    """
 
     name: Name
     url: GitUrl
     mirrors: list[GitUrl] = []
-    commit: Commit
+    commit: Commit | None = None
+    commit_prefix: CommitPrefix | None = Field(
+        None, description="an abbreviated SHA, resolved once on 'branch' and then locked")
+    branch: str | None = Field(None, description="the branch a commit_prefix is resolved on")
     ref: str | None = Field(None, description="human-readable tag or branch; never used alone")
     path: RelPath = Field(description="checkout path, relative to the workspace")
     submodule_of: Name | None = Field(
@@ -105,6 +122,37 @@ class Source(Strict):
     )
     patched: bool = True
     license: str | None = None
+
+    @model_validator(mode="after")
+    def _one_pin(self) -> Source:
+        if (self.commit is None) == (self.commit_prefix is None):
+            raise ValueError(f"source '{self.name}': give either 'commit' (a full 40-hex SHA) or "
+                             "'commit_prefix' + 'branch' (an abbreviated SHA the upstream "
+                             "publishes), not both or neither")
+        if self.commit_prefix is not None and not self.branch:
+            raise ValueError(f"source '{self.name}': commit_prefix needs 'branch', the branch "
+                             "it is resolved on (e.g. master)")
+        return self
+
+    @property
+    def pinned(self) -> str:
+        """The full commit; a prefix-pinned one once ``fetch`` resolved and locked it."""
+        if self.commit is not None:
+            return self.commit
+        locked: str | None = getattr(self, "_locked_commit", None)
+        if locked is None:
+            raise InputError(f"source '{self.name}' is pinned by the prefix "
+                             f"{self.commit_prefix} on {self.branch}: run `dsv4-offload fetch` "
+                             "to resolve and lock it")
+        return locked
+
+    def lock(self, commit: str) -> None:
+        """Record the full SHA a commit_prefix resolved to (not a field: the fingerprint of
+        the recipe stays the prefix; the full SHA reaches later stages through fetch's outputs)."""
+        if self.commit_prefix is None or not commit.startswith(self.commit_prefix):
+            raise InputError(f"source '{self.name}': {commit} does not match its "
+                             f"commit_prefix {self.commit_prefix}")
+        object.__setattr__(self, "_locked_commit", commit)
 
 
 class RemoteFile(Strict):
@@ -165,10 +213,40 @@ class Series(Strict):
 # --- builds --------------------------------------------------------------------------------
 
 
+class StepCheck(Strict):
+    """A command that must succeed before or after a step; a failure names it and its fix."""
+
+    name: Name
+    run: list[str] = Field(min_length=1, description="argv; placeholders as in command")
+    when: Literal["before", "after"] = "before"
+    cwd: Literal["workdir", "neutral"] = Field(
+        "workdir", description="'neutral': an empty directory and no PYTHONPATH, so no source "
+        "tree shadows an installed package")
+    fix: str = Field(min_length=1)
+    why: str = Field("", description="where the upstream says so (file:line)")
+
+
+class FileEdit(Strict):
+    """A workaround edit of a fetched file: ``append`` to the first line matching ``line``."""
+
+    file: RelPath = Field(description="relative to the step's workdir")
+    line: str = Field(min_length=1, description="regular expression of the line to extend")
+    append: str = Field(min_length=1)
+    unless: str = Field(min_length=1, description="already applied when the file contains it")
+    why: str = ""
+
+
+class RunPackage(Strict):
+    """A CANN ``.run`` package the step's command produced, installed after it."""
+
+    glob: str = Field(min_length=1, description="relative to the workdir; the first match")
+    args: list[str] = []
+
+
 class BuildStep(Strict):
     name: Name
-    workdir: RelPath = Field(description="relative to the workspace")
-    command: list[str] = Field(min_length=1)
+    workdir: RelPath | None = Field(None, description="relative to the workspace (default: it)")
+    command: list[str] = Field([], description="argv; empty for a step of checks only")
     env: dict[str, str] = {}
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
@@ -179,15 +257,44 @@ class BuildStep(Strict):
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = False
     description: str = ""
+    umask: str | None = Field(None, pattern=r"^0?[0-7]{3}$",
+                              description="the umask the command runs with, e.g. 0022")
+    chmod_go_w: bool = Field(False, description="`chmod -R go-w` the workdir first, checked")
+    source_env: list[str] = Field(
+        [], description="scripts sourced (nounset off) before the command and the checks")
+    edits: list[FileEdit] = []
+    remove_first: list[RelPath] = Field(
+        [], description="leftovers of an earlier build removed before the command (relative "
+        "to the workdir; their parent made writable first, as read-only installs leave it)")
+    install_run: RunPackage | None = None
+    require_installed: list[str] = Field(
+        [], description="distributions whose installed version must match build.constraints")
+    checks: list[StepCheck] = []
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> BuildStep:
+        if not (self.command or self.checks or self.require_installed):
+            raise ValueError(f"step '{self.name}': give a command, checks or require_installed")
+        if (self.install_run or self.expect_markers) and not self.command:
+            raise ValueError(f"step '{self.name}': install_run and expect_markers need a command")
+        return self
 
 
 class Build(Strict):
     python: str = "python3.11"
+    vars: dict[Name, str] = Field(
+        {}, description="{name} placeholders of steps; ~ and $VAR are expanded")
+    files: dict[Name, RemoteFile] = Field(
+        {}, description="files of pinned sources, checked by sha256 before any step: {file:NAME}")
+    constraints: Name | None = Field(
+        None, description="a build.files entry passed as pip constraints to every step")
     steps: list[BuildStep] = Field(min_length=1)
 
     @model_validator(mode="after")
     def _unique(self) -> Build:
         _no_duplicates([s.name for s in self.steps], "steps", "name")
+        if self.constraints is not None and self.constraints not in self.files:
+            raise ValueError(f"constraints '{self.constraints}' is not a build.files name")
         return self
 
 
@@ -506,10 +613,54 @@ class Host(Strict):
 # --- recipe --------------------------------------------------------------------------------
 
 
+class Runtime(Strict):
+    """Where the NPU-side stages run: on this host, or in a container of ``image``.
+
+    The container defaults are the delivery's ``scripts/launch_dsv4_singleCard_cann8.5.0_910b.sh``
+    (cann-recipes-infer @ 1a7fbd3); each field names its line there.
+    """
+
+    kind: Literal["host", "container"] = "host"
+    image: str | None = Field(None, description="launch script line 21 (IMAGE)")
+    name: Name = Field("dsv4_singlecard", description="line 22 (NAME)")
+    shm_size: str = Field("16g", pattern=r"^\d+[bkmg]?$", description="line 26 (SHM_SIZE)")
+    devices: str = Field(
+        "auto", pattern=r"^(auto|\d+(,\d+)*)$",
+        description="line 27 (NPU_VISIBLE_DEVICES): auto = every /dev/davinciN, or '0,3'")
+    mounts: list[str] = Field(
+        ["/usr/local/sbin:/usr/local/sbin", "/usr/local/dcmi:/usr/local/dcmi",
+         "/usr/local/bin/npu-smi:/usr/local/bin/npu-smi",
+         "/usr/local/Ascend/driver/:/usr/local/Ascend/driver/",
+         "/usr/local/Ascend/firmware:/usr/local/Ascend/firmware",
+         "/etc/ascend_install.info:/etc/ascend_install.info",
+         "/var/queue_schedule:/var/queue_schedule"],
+        description="lines 46-52: driver, firmware, npu-smi, dcmi, sbin (HOST:CONTAINER)")
+    packages: list[str] = Field(
+        ["libhwloc-dev", "libhwloc15", "pkg-config"],
+        description="apt packages the image lacks (guide G105-108: lost when recreated)")
+    python: str = Field("python3.11", description="the image's python, runs this tool inside")
+    tool_dir: str = Field("/opt/dsv4-offload", description="where the tool's wheel goes inside")
+    stages: list[str] = Field(
+        ["build", "selftest", "serve", "accept"],
+        description="stages `run` sends into the container; the others stay on the host")
+
+    @model_validator(mode="after")
+    def _image(self) -> Runtime:
+        if self.kind == "container" and not self.image:
+            raise ValueError("runtime.kind 'container' needs runtime.image, e.g. "
+                             "lmsysorg/sglang:deepseek-v4-npu-910b")
+        for mount in self.mounts:
+            host, sep, inside = mount.partition(":")
+            if not sep or not host.startswith("/") or not inside.startswith("/"):
+                raise ValueError(f"runtime.mounts: '{mount}' must be /host/path:/container/path")
+        return self
+
+
 class Platform(Strict):
     npu: str
     cann: str
     image: str | None = None
+    environment: str = Field("", description="the environment the guide brings up, in words")
     cc: str | None = None
     cxx: str | None = None
 
@@ -536,6 +687,7 @@ class Recipe(Strict):
     not_applicable: list[str] = Field(
         [], description="pipeline stages that make no sense for this recipe (e.g. an x86 "
         "development recipe ends at selftest): `run` passes them, running them says why")
+    runtime: Runtime = Runtime()
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:
@@ -563,6 +715,9 @@ class Recipe(Strict):
                 if name not in names:
                     raise ValueError(f"build step '{step.name}': log_sources '{name}' is not a "
                                      f"source name; use one of {names}")
+        for key, remote in self.build.files.items():
+            if remote.source not in names:
+                raise ValueError(f"build.files.{key}.source '{remote.source}' is not a source")
         manifest = self.conversion.digests_manifest
         if manifest and manifest.source not in names:
             raise ValueError("conversion.digests_manifest.source is not a source name")
@@ -921,6 +1076,8 @@ def load_recipe(spec: str | None = None, overrides: list[str] | None = None) -> 
         raise _first_error(str(path), located, exc, overrides or []) from None
     object.__setattr__(recipe, "_path", path)
     object.__setattr__(recipe, "_chain", tuple(chain))
+    # the `--set` items, so a stage run elsewhere (the container) sees the same recipe
+    object.__setattr__(recipe, "_overrides", list(overrides or []))
     return recipe
 
 

@@ -139,8 +139,8 @@ def load_patch(entry: PatchEntry, recipe: Recipe, series: Series,
         assert origin.source is not None and origin.path is not None  # the model ensures it
         source = recipe.source(origin.source)
         blob = gitsrc.read_blob(source, origin.path, patch_places(recipe, ws, source))
-        label = f"{source.name}@{source.commit}:{origin.path}"
-        where = f"{source.name}@{source.commit[:12]}:{origin.path}"
+        label = f"{source.name}@{source.pinned}:{origin.path}"
+        where = f"{source.name}@{source.pinned[:12]}:{origin.path}"
         if blob is None:
             raise InputError(f"patch '{entry.name}': {where} is not available; run "
                              "`dsv4-offload fetch` (or check origin.path in the series)")
@@ -420,7 +420,7 @@ def apply_target(repo_dir: Path, source: Source, patches: list[LoadedPatch], log
         outcome.status, outcome.message = "blocked", f"{repo_dir} is not a checkout; run fetch"
         return outcome
     outcome.recovered = recover_interrupted(repo_dir, log)
-    pinned = source.commit
+    pinned = source.pinned
     dirty = gitsrc.dirty_files(repo_dir)
     if dirty:
         outcome.status = "blocked"
@@ -531,12 +531,12 @@ def series_status(recipe: Recipe, series: Series, ws: Workspace) -> list[PatchSt
         source = recipe.source(target)
         repo_dir = ws.source_dir(recipe, target)
         entries = series.for_target(target)
-        if not (repo_dir / ".git").exists() or not gitsrc.has_commit(repo_dir, source.commit):
+        if not (repo_dir / ".git").exists() or not gitsrc.has_commit(repo_dir, source.pinned):
             rows += [PatchState(e.name, target, MISSING, detail=f"{target} is not fetched")
                      for e in entries]
             continue
         interrupted = gitsrc.git_ok(repo_dir, "rev-parse", "--verify", "-q", PRE_SERIES_REF)
-        records = {r.name: r for r in applied_records(repo_dir, source.commit) if r.name}
+        records = {r.name: r for r in applied_records(repo_dir, source.pinned) if r.name}
         dirty = set(gitsrc.dirty_files(repo_dir))
         for e in entries:
             rec = records.get(e.name)
@@ -583,10 +583,10 @@ def reset_targets(recipe: Recipe, series: Series, ws: Workspace, log: Path,
             row["message"] = (f"local changes in {dirty[0]}; commit them, or rerun with --force "
                               "(they are kept under a ref)")
             continue
-        if gitsrc.head_commit(repo_dir) == source.commit and not dirty:
+        if gitsrc.head_commit(repo_dir) == source.pinned and not dirty:
             row["result"] = "pinned"
             continue
-        row["kept"] = keep_and_reset(repo_dir, source.commit, log, keep_dirty=True)
+        row["kept"] = keep_and_reset(repo_dir, source.pinned, log, keep_dirty=True)
         row["result"] = "reset"
     return rows
 
@@ -635,7 +635,7 @@ def refresh_series(recipe: Recipe, series: Series, ws: Workspace,
             continue
         source = recipe.source(entry.target)
         repo_dir = ws.source_dir(recipe, entry.target)
-        rec = next((r for r in applied_records(repo_dir, source.commit) if r.name == entry.name),
+        rec = next((r for r in applied_records(repo_dir, source.pinned) if r.name == entry.name),
                    None) if (repo_dir / ".git").exists() else None
         if rec is None:
             row["result"] = "not applied"

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload import bringup
 from dsv4_offload.errors import Dsv4Error, InputError
 from dsv4_offload.host import choose_npu
 
@@ -340,7 +341,7 @@ def op_dir(workspace: Workspace, recipe: Recipe, env: Mapping[str, str]) -> tupl
         return Path(env[OP_DIR_ENV]), ENVIRONMENT
     step = next((s for s in recipe.build.steps if s.name == OP_STEP), None)
     if step is not None:
-        return workspace.root / step.workdir, WORKSPACE
+        return bringup.step_workdir(workspace, step), WORKSPACE
     return workspace.tree_dir(recipe) / "tools" / "ascendc_mxfp4", "sglang's default"
 
 

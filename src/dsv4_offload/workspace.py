@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 
 DEFAULT_WORKSPACE = "./dsv4-work"
 WORKSPACE_ENV = "DSV4_WORKSPACE"
+# a lock holder that runs a stage in another process (the container) lends it its lock:
+# the token it wrote into the lock file, passed to that process in this variable
+HANDOFF_ENV = "DSV4_LOCK_HANDOFF"
 STATE_SCHEMA = 1
 
 
@@ -69,6 +72,7 @@ class Workspace:
 
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root).expanduser().absolute()
+        self._lock_fh: Any = None  # the open lock file while this process holds the lock
 
     @classmethod
     def from_option(cls, value: str | None) -> Workspace:
@@ -86,6 +90,11 @@ class Workspace:
     @property
     def lock_file(self) -> Path:
         return self.meta_dir / "lock"
+
+    @property
+    def sources_lock_file(self) -> Path:
+        """Full SHAs that abbreviated pins (``commit_prefix``) resolved to, once."""
+        return self.meta_dir / "sources.lock.json"
 
     @property
     def provenance_file(self) -> Path:
@@ -170,7 +179,11 @@ class Workspace:
     # --- lock ---
     @contextlib.contextmanager
     def lock(self, command: str) -> Iterator[None]:
-        """An exclusive, non-blocking lock: a second run on this workspace exits at once."""
+        """An exclusive, non-blocking lock: a second run on this workspace exits at once.
+
+        A process given the token its holder lent (``HANDOFF_ENV``) runs under the holder's
+        lock instead: the holder keeps it, so no third process gets in meanwhile.
+        """
         self.ensure()
         fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
         try:
@@ -178,7 +191,14 @@ class Workspace:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fh.seek(0)
-                holder = fh.read().strip() or "another dsv4-offload process"
+                content = fh.read()
+                token = os.environ.get(HANDOFF_ENV)
+                if token and f"lent {token}\n" in content:
+                    fh.close()
+                    yield  # the holder waits for us with the lock in its hand
+                    return
+                holder = content.strip().splitlines()[0] if content.strip() else \
+                    "another dsv4-offload process"
                 raise LockedError(
                     f"workspace {self.root} is in use by {holder}; wait for it to finish or "
                     "use another --workspace"
@@ -187,12 +207,39 @@ class Workspace:
             fh.truncate()
             fh.write(f"pid {os.getpid()} ({command}, since {now_iso()})\n")
             fh.flush()
+            self._lock_fh = fh
             yield
+        finally:
+            if self._lock_fh is fh:
+                self._lock_fh = None
+                with contextlib.suppress(OSError):
+                    fh.seek(0)
+                    fh.truncate()
+            fh.close()
+
+    @contextlib.contextmanager
+    def lend_lock(self) -> Iterator[str]:
+        """While held: a token another process passes in ``HANDOFF_ENV`` to work under it."""
+        import secrets
+
+        fh = self._lock_fh
+        if fh is None:
+            raise RuntimeError("lend_lock() needs the workspace lock held by this process")
+        token = secrets.token_hex(16)
+        fh.seek(0)
+        holder = fh.read().splitlines()[0]
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{holder}\nlent {token}\n")
+        fh.flush()
+        try:
+            yield token
         finally:
             with contextlib.suppress(OSError):
                 fh.seek(0)
                 fh.truncate()
-            fh.close()
+                fh.write(f"{holder}\n")
+                fh.flush()
 
     # --- state ---
     def read_state(self) -> dict[str, Any]:

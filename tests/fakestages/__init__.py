@@ -7,6 +7,7 @@ Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
 
 from __future__ import annotations
 
+import os
 import time
 
 from dsv4_offload.errors import InputError
@@ -18,8 +19,9 @@ def make(name: str):  # type: ignore[no-untyped-def]
         root = ctx.workspace.root
         behave_file = root / "behave" / name
         behave = behave_file.read_text().strip() if behave_file.exists() else "ok"
+        inside = os.environ.get("DSV4_IN_CONTAINER")
         with open(root / "ran.log", "a") as fh:
-            fh.write(f"{name}\n")
+            fh.write(f"{name}" + (f" (in container {inside})" if inside else "") + "\n")
         if behave == "sleep":
             (root / f"{name}.started").write_text("x")
             time.sleep(600)

@@ -33,7 +33,7 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve")
+AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container")
 
 
 def _version(value: bool) -> None:

@@ -48,8 +48,14 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
 
     g = options_of(typer_ctx)
     recipe, series = load_recipe_and_series(g.recipe, g.overrides)
+    workspace = Workspace.from_option(g.workspace)
+    if any(s.commit_prefix for s in recipe.sources):
+        from dsv4_offload.gitsrc import apply_source_locks
+
+        # abbreviated pins take the full SHA fetch locked for this workspace
+        apply_source_locks(recipe, workspace.sources_lock_file)
     return StageContext(
-        recipe=recipe, series=series, workspace=Workspace.from_option(g.workspace),
+        recipe=recipe, series=series, workspace=workspace,
         options=dict(options or {}), progress=make_progress(g), stage=stage, verbose=g.verbose,
     )
 

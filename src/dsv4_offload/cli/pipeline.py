@@ -48,12 +48,15 @@ def run(
     g = options_of(ctx)
     if dry_run:
         items = pipeline.plan(pctx, start, stop, tuple(force))
-        data = [{"stage": i.stage, "action": i.action, "reason": i.reason} for i in items]
+        data = [{"stage": i.stage, "action": i.action, "reason": i.reason, "steps": i.steps}
+                for i in items]
         if g.json:
             emit(ctx, command="run", status="ok", data={"dry_run": True, "plan": data})
         else:
             for i in items:
                 console().print(f"{i.stage:12} {styled(i.action):>4}  {escape(i.reason)}")
+                if i.steps:
+                    console().print(f"{'':12}       steps: {escape(', '.join(i.steps))}")
         exit_with(ExitCode.OK)
 
     def announce(stage: str, action: str) -> None:

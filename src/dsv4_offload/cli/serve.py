@@ -123,6 +123,9 @@ def serve_status(ctx: typer.Context) -> None:
     from dsv4_offload import supervisor as sv
 
     sctx = kit.load_context(ctx, "serve")
+    from dsv4_offload.cli.container import forward_into_container
+
+    forward_into_container(ctx, sctx, "serve", ["serve", "status"])  # its pids are in there
     record = sv.read_record(sctx.workspace.serve_record)
     alive = sv.record_alive(record)
     data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
@@ -205,6 +208,9 @@ def serve_stop(ctx: typer.Context) -> None:
     from dsv4_offload import supervisor as sv
 
     sctx = kit.load_context(ctx, "serve")
+    from dsv4_offload.cli.container import forward_into_container
+
+    forward_into_container(ctx, sctx, "serve", ["serve", "stop"])  # its pids are in there
     record = sv.read_record(sctx.workspace.serve_record)
     if not sv.record_alive(record):
         kit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},

@@ -7,7 +7,7 @@
    can print (:mod:`dsv4_offload.audit`) refuses the build before anything compiles.
 2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
    ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python
-   (``{tool_python}``, ``{workspace}``: see :func:`expand_command`), its output in
+   (``{tool_python}``, ``{workspace}`` and more: see ``bringup.Placeholders``), its output in
    ``logs/build/<step>.log``.
 3. Its log (this run's part) must match no ``forbid_markers`` entry (checked first: it
    names the cause) and every ``expect_markers`` entry. Markers are Python
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload import gitsrc
+from dsv4_offload import bringup, gitsrc
 from dsv4_offload.errors import InputError
 from dsv4_offload.recipe import BuildStep, Recipe
 from dsv4_offload.runner import failure_excerpt, run_command
@@ -102,6 +102,23 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (r"(libascendcl\.so|ascendcl).*(not found|No such file)|Could NOT find (Ascend|ACL)",
      "CANN is not in the environment: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
      "before building"),
+    # the A3 bring-up (setup_dsv4_env_from_clean_cann.sh, "S"; guide appendix A, "G")
+    (r"RT_LIMIT_TYPE_SIMT_WARP_STACK_SIZE",
+     "triton-ascend 3.2.0 does not build against CANN 9.0.0 (S150-152): install "
+     "triton-ascend==3.2.1.dev20260530 from the Huawei Cloud nightly index"),
+    (r"undefined reference to `?(dlopen|dlsym|dlclose)",
+     "sgl_kernel_npu's PTAExtensionOPS lacks -ldl (S248-249): the step's edit adds "
+     "${CMAKE_DL_LIBS}; rerun `dsv4-offload build sgl-kernel-npu`"),
+    (r"libc10\.so: cannot open shared object file",
+     "custom_ops links libc10.so: import torch and torch_npu before custom_ops (S203-205)"),
+    (r"partially initialized module 'custom_ops'|circular import",
+     "a custom_ops source directory shadows the installed wheel: import it from a neutral "
+     "directory (S199-201)"),
+    (r"aclnn\w+ not in libopapi\.so|has no attribute '(compressor|npu_\w+)'",
+     "a vendor is missing (customize, custom_transformer or the custom_ops binding, G474-476): "
+     "rebuild the vendor-customize, custom-ops and vendor-transformer steps"),
+    (r"security check|group.writable|others have write",
+     "msopgen refuses group/world-writable files: umask 0022 and chmod -R go-w (S96-97, S182)"),
     (r"gcc-13: (not found|No such file)|No CMAKE_C_COMPILER could be found",
      "install the platform's compiler (A3: apt-get install gcc-13 g++-13) or fix "
      "platform.cc/cxx"),
@@ -140,7 +157,8 @@ def build_python(ctx: StageContext) -> str:
 
 def runtime_pythonpath(workspace: Workspace, recipe: Recipe) -> list[Path]:
     """Directories the server's python needs on PYTHONPATH: sglang's and kt-kernel's."""
-    return [workspace.root / s.workdir for s in recipe.build.steps if s.name in RUNTIME_STEPS]
+    return [bringup.step_workdir(workspace, s) for s in recipe.build.steps
+            if s.name in RUNTIME_STEPS]
 
 
 def selected_steps(ctx: StageContext) -> list[BuildStep]:
@@ -275,14 +293,15 @@ def marker_audit(ctx: StageContext, steps: list[BuildStep], data: dict[str, Any]
     return problems  # unchecked ones (a tree not fetched) stay in data["audit"]
 
 
-def step_env(ctx: StageContext, step: BuildStep | None = None) -> dict[str, str]:
+def step_env(ctx: StageContext, step: BuildStep | None = None,
+             places: bringup.Placeholders | None = None) -> dict[str, str]:
     env = dict(os.environ)
     if ctx.recipe.platform.cc:
         env["CC"] = ctx.recipe.platform.cc
     if ctx.recipe.platform.cxx:
         env["CXX"] = ctx.recipe.platform.cxx
     if step is not None:
-        env.update(step.env)
+        env.update({k: places.text(v) if places else v for k, v in step.env.items()})
     return env
 
 
@@ -291,6 +310,9 @@ def run(ctx: StageContext) -> StageResult:
     python = build_python(ctx)
     problems = preflight(ctx, python, steps, step_env(ctx))
     data: dict[str, Any] = {"python": python, "steps": {}}
+    problems += [Problem("error", e, fix="the file comes from a pinned source",
+                         check="build.files")
+                 for e in bringup.check_files(ctx.recipe, ctx.workspace, python)]
     if any(p.severity == "error" for p in problems):
         return StageResult(Status.FAILED, "build preflight failed", data=data, problems=problems,
                            log=str(ctx.log_dir))
@@ -409,10 +431,10 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
              built_with: str | None = None) -> StepReport:
     """Run one step; ``built_with`` is the settings digest of its last successful build."""
     report = StepReport(step.name)
-    workdir = ctx.workspace.root / step.workdir
+    workdir = bringup.step_workdir(ctx.workspace, step)
     log = ctx.log_dir / f"{step.name}.log"
     report.log = str(log)
-    if not workdir.is_dir() and not _in_a_source(ctx.recipe, step.workdir):
+    if not workdir.is_dir() and step.workdir and not _in_a_source(ctx.recipe, step.workdir):
         workdir.mkdir(parents=True)  # the workspace's own (a sysroot), not a checkout
     if not workdir.is_dir():
         report.status = "failed"
@@ -420,8 +442,27 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         report.message = f"{workdir} does not exist"
         report.fix = "run `dsv4-offload fetch` and `dsv4-offload patch apply` first"
         return report
-    env = step_env(ctx, step)
-    argv = expand_command(step.command, python, ctx.workspace.root)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.touch()  # a step of checks only still has its log
+    offset = log.stat().st_size
+    places = bringup.Placeholders(ctx.recipe, ctx.workspace, python)
+    constraints = (places.file_path(ctx.recipe.build.constraints)
+                   if ctx.recipe.build.constraints else None)
+    try:
+        env = bringup.constraints_env(step_env(ctx, step, places), constraints)
+        if step.source_env:
+            env = bringup.sourced_env([places.text(x) for x in step.source_env], env, log)
+        if step.chmod_go_w:
+            bringup.chmod_go_w(workdir, log)
+        for edit in step.edits:
+            bringup.apply_edit(workdir, edit, log)
+        for rel in step.remove_first:
+            bringup.remove_first(workdir, rel, log)
+        argv = bringup.with_constraints(places.argv(step.command, workdir), constraints)
+        _run_checks(step, "before", places, workdir, env, python, log)
+    except bringup.StepFailed as exc:
+        report.fix = exc.fix
+        return _fail(report, step, f"{exc.message} (see the log: {log})")
     absent = [t for t in _tools_named(argv) if shutil.which(t, path=env.get("PATH")) is None]
     if absent:
         report.status = "skipped" if step.optional else "failed"
@@ -436,26 +477,57 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     why = "--clean" if ctx.option("clean") else (
         "its command, env or python changed since the last build"
         if built_with and built_with != report.settings else "")
-    if why and clean_build_dir(workdir):
+    if why and step.command and step.workdir and clean_build_dir(workdir):
         report.cleaned = why
     if step.name == KT_KERNEL_STEP:
         link_kt_kernel_package(workdir)
     hooks_before = _hooks(hooks_dir)
-    log.parent.mkdir(parents=True, exist_ok=True)
-    offset = log.stat().st_size if log.exists() else 0
     t0 = time.monotonic()
-    with ctx.task(f"build {step.name}") as task:
-        result = run_command(argv, log=log, cwd=workdir, env=env, check=False,
-                             on_line=lambda line: task.update(
-                                 description=f"build {step.name}: {line[:60]}"))
+    if argv:
+        started = time.time() - 1  # mtime granularity: anything the command made is newer
+        mask = bringup.parse_umask(step.umask) if step.umask else None
+        if mask is not None:
+            bringup.note(log, f"workaround umask: the command runs with umask {step.umask} "
+                              "(umask 0002 breaks msopgen, setup_dsv4_env_from_clean_cann.sh "
+                              "lines 96-97)")
+        old_mask = os.umask(mask) if mask is not None else None
+        try:
+            with ctx.task(f"build {step.name}") as task:
+                result = run_command(argv, log=log, cwd=workdir, env=env, check=False,
+                                     on_line=lambda line: task.update(
+                                         description=f"build {step.name}: {line[:60]}"))
+        finally:
+            if old_mask is not None:
+                os.umask(old_mask)
     report.seconds = time.monotonic() - t0
     report.hooks_added = sorted(_hooks(hooks_dir) - hooks_before)
     text = _read_from(log, offset)
     report.hint = diagnose(text) or ""
-    if result.returncode != 0:
+    if argv and result.returncode != 0:
         excerpt = failure_excerpt(result.tail)
         tail = f": {excerpt[-1]}" if excerpt else ""
         return _fail(report, step, f"exit code {result.returncode}{tail} (see the log: {log})")
+    try:
+        if argv and step.umask:
+            loose = bringup.writable_by_others(workdir, newer_than=started)
+            if loose:
+                raise bringup.StepFailed(
+                    f"workaround umask {step.umask}: the build left {loose[0]} group/world-"
+                    f"writable (+{len(loose) - 1} more); msopgen refuses such files",
+                    f"rerun with umask {step.umask} (check the build script does not reset it)")
+        if step.install_run is not None:
+            package = bringup.find_run_package(workdir, step.install_run)
+            bringup.make_executable(package)
+            run_argv = [str(package), *[places.text(a) for a in step.install_run.args]]
+            installed = run_command(run_argv, log=log, cwd=workdir, env=env, check=False)
+            if installed.returncode != 0:
+                raise bringup.StepFailed(
+                    f"installing {package.name} failed (exit {installed.returncode})",
+                    "read the log; the install path must be writable (CANN's opp dir)")
+    except bringup.StepFailed as exc:
+        report.fix = exc.fix
+        return _fail(report, step, f"{exc.message} (see the log: {log})")
+    text = _read_from(log, offset)
     # a forbidden line names the cause (e.g. '+sve' on the ARM target line); check it first
     for marker in step.forbid_markers:
         hit = _compile(marker, step, "forbid_markers").search(text)
@@ -476,25 +548,18 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             report.hint = diagnose(_read_from(log, offset)) or ""
             return _fail(report, step, f"`import {step.check_import}` fails: {error} "
                                        f"(see the log: {log})")
-    report.products = _products(workdir)
+    try:
+        _run_checks(step, "after", places, workdir, env, python, log)
+        if step.require_installed:
+            bringup.check_installed(python, step.require_installed, constraints, env, log)
+    except bringup.StepFailed as exc:
+        report.fix = exc.fix
+        report.hint = diagnose(_read_from(log, offset)) or ""
+        return _fail(report, step, f"{exc.message} (see the log: {log})")
+    report.products = _products(workdir) if step.command else []
     report.status = "ok"
     report.message = f"{report.seconds:.0f}s"
     return report
-
-
-def expand_command(command: list[str], python: str, workspace: Path) -> list[str]:
-    """A step's argv with ``{python}`` (the build python), ``{tool_python}`` (the interpreter
-    running dsv4-offload, for its own cross-build helpers) and ``{workspace}`` filled in."""
-    import sys
-
-    values = {"{python}": python, "{tool_python}": sys.executable,
-              "{workspace}": str(workspace)}
-    out = []
-    for arg in command:
-        for key, value in values.items():
-            arg = arg.replace(key, value)
-        out.append(arg)
-    return out
 
 
 def _in_a_source(recipe: Recipe, workdir: str) -> bool:
@@ -504,6 +569,33 @@ def _in_a_source(recipe: Recipe, workdir: str) -> bool:
     path = PurePosixPath(workdir)
     return any(path == PurePosixPath(s.path) or PurePosixPath(s.path) in path.parents
                for s in recipe.sources)
+
+
+def _run_checks(step: BuildStep, when: str, places: bringup.Placeholders, workdir: Path,
+                env: dict[str, str], python: str, log: Path) -> None:
+    """The step's checks of one phase; the first failing one raises, named with its fix."""
+    import tempfile
+
+    for check in step.checks:
+        if check.when != when:
+            continue
+        argv = places.argv(check.run, workdir)
+        check_env = dict(env)
+        if check.cwd == "neutral":
+            check_env.pop("PYTHONPATH", None)  # nothing of ours may shadow what is installed
+            with tempfile.TemporaryDirectory(prefix="dsv4-neutral-") as neutral:
+                bringup.note(log, f"check {check.name} (from an empty directory, no PYTHONPATH)")
+                result = run_command(argv, log=log, cwd=Path(neutral), env=check_env,
+                                     check=False, timeout=900)
+        else:
+            bringup.note(log, f"check {check.name}")
+            result = run_command(argv, log=log, cwd=workdir, env=check_env, check=False,
+                                 timeout=900)
+        if result.returncode != 0:
+            last = failure_excerpt(result.tail)
+            why = f" ({check.why})" if check.why else ""
+            cause = last[-1] if last else f"exit {result.returncode}"
+            raise bringup.StepFailed(f"check {check.name} failed{why}: {cause}", check.fix)
 
 
 def _fail(report: StepReport, step: BuildStep, message: str) -> StepReport:

@@ -546,8 +546,67 @@ def check_cross(recipe: Recipe, facts: HostFacts, binfmt: str = "absent") -> lis
     return checks
 
 
+@dataclass
+class RuntimeFacts:
+    """Where the tool runs and, for an image runtime, the image on this host."""
+
+    inside: bool  # this process runs inside a container
+    image_arch: str | None = None  # the local image's architecture; None: not present
+    probe: str = "probed"  # or why the image was not asked about
+
+
+def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
+    """Ask docker about the recipe's image only on a live aarch64 host with a docker client
+    (a captured sysroot has no engine to ask, and the image is arm64)."""
+    from dsv4_offload import container
+    from dsv4_offload.errors import Dsv4Error
+    from dsv4_offload.host import HOST_ROOT_ENV
+
+    rf = RuntimeFacts(inside=container.inside_container())
+    runtime = recipe.runtime
+    if runtime.kind != "container" or not runtime.image or rf.inside:
+        rf.probe = "no image runtime here"
+    elif os.environ.get(HOST_ROOT_ENV):
+        rf.probe = "not probed: a captured host"
+    elif facts.arch != "aarch64":
+        rf.probe = f"not probed: {facts.arch} host"
+    elif not facts.tools.get("docker"):
+        rf.probe = "not probed: no docker client"
+    else:
+        try:
+            rf.image_arch = container.image_architecture(runtime.image)
+        except Dsv4Error as exc:
+            rf.probe = f"not probed: {exc.message}"
+    return rf
+
+
+def check_runtime(recipe: Recipe, facts: HostFacts, rf: RuntimeFacts) -> list[Check]:
+    """Whether this runs inside a container; for an image runtime, docker and the image."""
+    checks = [Check("container", OK, "inside a container" if rf.inside else "on the host",
+                    "either")]
+    runtime = recipe.runtime
+    if runtime.kind != "container" or not runtime.image or rf.inside:
+        return checks
+    need = f"{runtime.image} (arm64), where build, serve and accept run"
+    if not facts.tools.get("docker"):
+        checks.append(Check("image", FAIL, "no docker client", need, TOOL_FIXES["docker"]))
+    elif rf.probe != "probed":
+        checks.append(Check("image", SKIP, rf.probe, need))
+    elif rf.image_arch is None:
+        checks.append(Check("image", WARN, "not pulled yet", need,
+                            "`dsv4-offload container up` pulls it (or `docker pull "
+                            f"{runtime.image}`)"))
+    elif rf.image_arch not in ("arm64", "aarch64"):
+        checks.append(Check("image", FAIL, f"present, {rf.image_arch}", need,
+                            f"docker pull --platform linux/arm64 {runtime.image}"))
+    else:
+        checks.append(Check("image", OK, f"present, {rf.image_arch}", need))
+    return checks
+
+
 def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
-             binfmt: str = "absent") -> tuple[list[Check], NpuInfo | None]:
+             binfmt: str = "absent", runtime: RuntimeFacts | None = None
+             ) -> tuple[list[Check], NpuInfo | None]:
     """All checks of the recipe's host section against these facts (pure: no probing)."""
     checks = check_cpu(recipe, facts)
     checks.append(check_numa(recipe, facts))
@@ -563,6 +622,8 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
         checks.append(check_serve_bind(recipe))
+    if runtime is not None:
+        checks += check_runtime(recipe, facts, runtime)
     return checks, chosen
 
 
@@ -577,7 +638,8 @@ def run(ctx: StageContext) -> StageResult:
     # it reuses these facts instead of running npu-smi and every --version a second time
     ctx.options["host_facts"] = facts
     binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
-    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt)
+    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt,
+                              probe_runtime(ctx.recipe, facts))
     if ctx.recipe.host.npu_models:  # the launcher's choice: a python with torch_npu and sglang
         checks.append(check_python(ctx, facts))
     failed = [c for c in checks if c.status == FAIL]

@@ -27,12 +27,22 @@ def run(ctx: StageContext) -> StageResult:
     problems: list[Problem] = []
     blocked_paths: list[Path] = []
     total_bytes = 0
+    locked = _resolve_prefixes(ctx, mirrors, log, problems)
 
     with ctx.task("sources", total=len(recipe.sources)) as overall:
         for source in gitsrc.checkout_order(recipe):
             path = ws.source_dir(recipe, source.name)
-            row: dict[str, Any] = {"name": source.name, "commit": source.commit,
+            if source.commit_prefix is not None and source.name not in locked:
+                rows.append({"name": source.name, "commit": None, "path": str(path),
+                             "checkout": "skipped", "cache": "failed"})
+                blocked_paths.append(path)
+                overall.advance()
+                continue
+            row: dict[str, Any] = {"name": source.name, "commit": source.pinned,
                                    "path": str(path)}
+            if source.commit_prefix is not None:
+                row["commit_prefix"] = source.commit_prefix
+                row["lock"] = locked[source.name]
             rows.append(row)
             if any(path.is_relative_to(b) for b in blocked_paths):
                 row["checkout"] = "skipped"
@@ -75,9 +85,41 @@ def run(ctx: StageContext) -> StageResult:
                        problems=problems, outputs=outputs if not failed else {}, log=str(log))
 
 
+def _resolve_prefixes(ctx: StageContext, mirrors: dict[str, list[str]], log: Path,
+                      problems: list[Problem]) -> dict[str, str]:
+    """Prefix-pinned sources: the locked SHA, else resolved once on the branch and locked.
+
+    Returns ``name -> "locked" | "resolved"`` for the sources that now have a full SHA.
+    """
+    lock_file = ctx.workspace.sources_lock_file
+    unlocked = set(gitsrc.apply_source_locks(ctx.recipe, lock_file))
+    out: dict[str, str] = {}
+    for source in ctx.recipe.sources:
+        if source.commit_prefix is None:
+            continue
+        if source.name not in unlocked:
+            out[source.name] = "locked"
+            continue
+        try:
+            with ctx.task(f"resolve {source.name} {source.commit_prefix}", unit="bytes") as task:
+                commit = gitsrc.resolve_commit_prefix(source, log=log, mirrors=mirrors,
+                                                      task=task)
+        except Dsv4Error as exc:
+            problems.append(Problem("error", exc.message, check=source.name,
+                                    fix=f"see the log: {log}"))
+            continue
+        source.lock(commit)
+        gitsrc.write_source_lock(lock_file, source, commit)
+        out[source.name] = "resolved"
+        problems.append(Problem("info", f"{source.name}: {source.commit_prefix} on "
+                                f"{source.branch} is {commit}; locked in {lock_file}",
+                                check=source.name))
+    return out
+
+
 def _place(source: Any, path: Path, force: bool, log: Path, problems: list[Problem],
            blocked_paths: list[Path]) -> str:
-    state = gitsrc.inspect_checkout(path, source.commit)
+    state = gitsrc.inspect_checkout(path, source.pinned)
     if state.usable:
         return state.kind
     if state.kind == "absent":
@@ -105,11 +147,11 @@ def _check_gitlink(ctx: StageContext, source: Any, problems: list[Problem]) -> N
     if not src_dir.is_relative_to(parent_dir) or not (parent_dir / ".git").exists():
         return
     rel = src_dir.relative_to(parent_dir).as_posix()
-    recorded = gitsrc.gitlink_commit(parent_dir, parent.commit, rel)
-    if recorded and recorded != source.commit:
+    recorded = gitsrc.gitlink_commit(parent_dir, parent.pinned, rel)
+    if recorded and recorded != source.pinned:
         problems.append(Problem(
             "info", f"{source.name}: {parent.name} records {recorded[:12]} at {rel}; the recipe "
-            f"pins {source.commit[:12]}", check=source.name))
+            f"pins {source.pinned[:12]}", check=source.name))
 
 
 def _human(n: float) -> str:

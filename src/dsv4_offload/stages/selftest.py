@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload import bringup
 from dsv4_offload.errors import InputError
 from dsv4_offload.stage import Problem, StageContext, StageResult, Status
 
@@ -58,7 +59,7 @@ def module_dir(ctx: StageContext) -> Path:
     if step is None:
         raise InputError(f"recipe '{ctx.recipe.name}' has no build step '{KT_KERNEL_STEP}'; "
                          "selftest runs the kt-kernel it builds")
-    return ctx.workspace.root / step.workdir / KT_PYTHON_DIR
+    return bringup.step_workdir(ctx.workspace, step) / KT_PYTHON_DIR
 
 
 def extension_files(directory: Path) -> list[Path]:

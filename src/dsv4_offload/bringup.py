@@ -1,0 +1,343 @@
+"""What build steps of an environment bring-up need beyond a command (the A3 recipe).
+
+The delivery's ``scripts/tools/setup_dsv4_env_from_clean_cann.sh`` (cann-recipes-infer @
+1a7fbd3, "S" below) brings a clean CANN 9.0.0 image up in phases, each with a workaround
+for a known pitfall. Here those workarounds are step fields the build runner applies and then
+checks, each failure naming it:
+
+- ``umask`` (S96-97: umask 0002 makes msopgen's security check abort): the command runs
+  with it, and no file it created may be group- or world-writable afterwards;
+- ``chmod_go_w`` (S182, S227, S247): ``chmod -R go-w`` of the workdir first, then checked;
+- ``source_env`` (S87-91: the CANN/vendor set_env scripts read unset variables): sourced
+  with nounset off, the resulting environment used by the command and the checks;
+- ``edits`` (S248-258: -ldl for sgl_kernel_npu): a line extended unless already there,
+  checked by the text it must then contain;
+- ``install_run`` (S184-187, S231-233): the ``.run`` package the build produced, installed;
+- ``require_installed`` (S125-137): installed versions against the constraints file;
+- build ``constraints`` (S79-80, dsv4_torch_lock.txt): ``-c FILE`` on every pip install
+  and ``PIP_CONSTRAINT`` for the pip calls inside build scripts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import stat
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsv4_offload.errors import Dsv4Error
+from dsv4_offload.workspace import atomic_write_bytes, now_iso
+
+if TYPE_CHECKING:
+    from dsv4_offload.recipe import BuildStep, FileEdit, Recipe, RunPackage
+    from dsv4_offload.workspace import Workspace
+
+_QUICK_TIMEOUT_S = 300.0
+_PLACEHOLDER = re.compile(r"\{(python|workspace|(?:source|file|glob):[^{}]+|[A-Za-z0-9_.-]+)\}")
+_PIP_CONSTRAINT = "PIP_CONSTRAINT"
+
+
+class StepFailed(Dsv4Error):
+    """A workaround or check of a build step failed; ``fix`` says what to do."""
+
+    def __init__(self, message: str, fix: str, log: Path | None = None) -> None:
+        super().__init__(message, log=str(log) if log else None)
+        self.fix = fix
+
+
+def note(log: Path, text: str) -> None:
+    """A line in the step's log saying what was done, so every workaround is visible."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "a", encoding="utf-8") as fh:
+        fh.write(f"=== {now_iso()} {text}\n")
+
+
+# --- placeholders ---------------------------------------------------------------------------
+
+
+class Placeholders:
+    """``{python}`` (the build python), ``{tool_python}`` (the interpreter running
+    dsv4-offload, for its own cross-build helpers), ``{workspace}``, ``{source:NAME}``,
+    ``{file:NAME}``, build ``vars`` and, as a whole argument, ``{glob:PATTERN}`` (the sorted
+    matches in the workdir)."""
+
+    def __init__(self, recipe: Recipe, workspace: Workspace, python: str) -> None:
+        self.recipe, self.workspace = recipe, workspace
+        self.values = {"python": python, "tool_python": sys.executable,
+                       "workspace": str(workspace.root)}
+        for key, value in recipe.build.vars.items():
+            self.values[key] = os.path.expandvars(os.path.expanduser(value))
+
+    def text(self, value: str) -> str:
+        def sub(m: re.Match[str]) -> str:
+            key = m.group(1)
+            if key.startswith("source:"):
+                return str(self.workspace.source_dir(self.recipe, key[7:]))
+            if key.startswith("file:"):
+                return str(self.file_path(key[5:]))
+            return self.values.get(key, m.group(0))
+
+        return _PLACEHOLDER.sub(sub, value)
+
+    def argv(self, args: list[str], workdir: Path) -> list[str]:
+        out: list[str] = []
+        for arg in args:
+            if arg.startswith("{glob:") and arg.endswith("}"):
+                pattern = self.text(arg[6:-1])
+                found = sorted(str(p) for p in workdir.glob(pattern))
+                if not found:
+                    raise StepFailed(f"nothing in {workdir} matches {pattern}",
+                                     "the command before produced nothing; read its log")
+                out += found
+            else:
+                out.append(self.text(arg))
+        return out
+
+    def file_path(self, name: str) -> Path:
+        remote = self.recipe.build.files[name]
+        return self.workspace.source_dir(self.recipe, remote.source) / remote.path
+
+
+def check_files(recipe: Recipe, workspace: Workspace, python: str) -> list[str]:
+    """Every build.files entry present with its pinned sha256; the errors, one line each."""
+    places = Placeholders(recipe, workspace, python)
+    errors = []
+    for name, remote in recipe.build.files.items():
+        path = places.file_path(name)
+        try:
+            digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        except OSError:
+            errors.append(f"build.files.{name}: {path} is missing; run `dsv4-offload fetch` "
+                          f"({remote.source} at its pinned commit holds it)")
+            continue
+        if digest != remote.sha256:
+            errors.append(f"build.files.{name}: {path} has sha256 {digest[:16]}…, the recipe "
+                          f"pins {remote.sha256[:16]}…; refetch {remote.source} "
+                          "(`dsv4-offload fetch --force`) or fix the recipe")
+    return errors
+
+
+def with_constraints(argv: list[str], constraints: Path | None) -> list[str]:
+    """``-c FILE`` appended to a pip install (S165, S167, S264 pass the torch lock so)."""
+    if constraints is None or "install" not in argv:
+        return argv
+    if not any(Path(a).name in ("pip", "pip3") or a == "pip" for a in argv):
+        return argv
+    return [*argv, "-c", str(constraints)]
+
+
+def constraints_env(env: dict[str, str], constraints: Path | None) -> dict[str, str]:
+    """pip calls inside build scripts (build_and_install.sh) see the constraints too."""
+    if constraints is not None:
+        env = dict(env)
+        env[_PIP_CONSTRAINT] = str(constraints)
+    return env
+
+
+# --- source_env: set_env scripts with nounset off ------------------------------------------
+
+
+def sourced_env(scripts: list[str], env: dict[str, str], log: Path) -> dict[str, str]:
+    """The environment after sourcing ``scripts`` in bash with nounset off (S87-91)."""
+    for script in scripts:
+        if not Path(script).is_file():
+            raise StepFailed(f"source_env: {script} not found",
+                             "install CANN there (or the vendor this step needs: an earlier "
+                             "step installs it) or fix build.vars.cann_home")
+    body = "set -e; set +u; " + "".join(f'. "${i + 1}"; ' for i in range(len(scripts))) + \
+        "set -u; env -0"
+    proc = subprocess.run(["bash", "-c", body, "dsv4-source-env", *scripts], env=env,
+                          capture_output=True, timeout=_QUICK_TIMEOUT_S,
+                          stdin=subprocess.DEVNULL)
+    note(log, f"workaround nounset-while-sourcing: sourced {' '.join(scripts)} with set +u "
+              "(setup_dsv4_env_from_clean_cann.sh lines 87-91)")
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise StepFailed(f"workaround nounset-while-sourcing: sourcing {' '.join(scripts)} "
+                         f"failed (exit {proc.returncode}): {tail[0]}",
+                         "run the script by hand in bash to see why; CANN 9.0.0 goes in "
+                         "build.vars.cann_home")
+    out: dict[str, str] = {}
+    for item in proc.stdout.split(b"\0"):
+        key, sep, value = item.decode(errors="replace").partition("=")
+        if sep and key:
+            out[key] = value
+    return out
+
+
+# --- permissions: umask and chmod go-w ------------------------------------------------------
+
+
+def parse_umask(value: str) -> int:
+    return int(value, 8)
+
+
+def writable_by_others(root: Path, newer_than: float | None = None) -> list[str]:
+    """Files and dirs under ``root`` that group or others may write (msopgen refuses them)."""
+    bad = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in [*dirnames, *filenames]:
+            path = Path(dirpath, name)
+            try:
+                st = path.lstat()
+            except OSError:
+                continue
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            if newer_than is not None and st.st_mtime < newer_than:
+                continue
+            if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+                bad.append(str(path.relative_to(root)))
+    return sorted(bad)
+
+
+def chmod_go_w(root: Path, log: Path) -> None:
+    """``chmod -R go-w`` (S182, S227, S247), then checked."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d != ".git"]
+        for name in [dirpath, *[os.path.join(dirpath, n) for n in filenames]]:
+            path = Path(name)
+            if path.is_symlink():
+                continue
+            mode = path.stat().st_mode
+            if mode & (stat.S_IWGRP | stat.S_IWOTH):
+                path.chmod(mode & ~(stat.S_IWGRP | stat.S_IWOTH))
+    note(log, f"workaround chmod-go-w: chmod -R go-w {root} (msopgen's security check, "
+              "setup_dsv4_env_from_clean_cann.sh lines 182, 227, 247)")
+    left = writable_by_others(root)
+    if left:
+        raise StepFailed(f"workaround chmod-go-w: {left[0]} is still group/world-writable "
+                         f"(+{len(left) - 1} more) after chmod -R go-w",
+                         f"check the owner of {root} (chmod needs it) and rerun the build")
+
+
+def remove_first(workdir: Path, rel: str, log: Path) -> None:
+    """``chmod -R u+w`` the parent of ``rel``, then remove it (S259-261: deep_ep's vendor
+    installs read-only, so a second build fails on `rm uninstall.sh`)."""
+    import shutil
+
+    target = workdir / rel
+    parent = target.parent
+    if parent.is_dir() and parent.resolve().is_relative_to(workdir.resolve()):
+        for dirpath, _dirs, files in os.walk(parent):
+            for name in [dirpath, *[os.path.join(dirpath, f) for f in files]]:
+                path = Path(name)
+                if not path.is_symlink():
+                    path.chmod(path.stat().st_mode | stat.S_IWUSR)
+    if target.is_symlink() or target.is_file():
+        target.unlink()
+    elif target.is_dir():
+        shutil.rmtree(target)
+    else:
+        return
+    note(log, f"workaround read-only leftovers: removed {rel} (its parent made writable "
+              "first, setup_dsv4_env_from_clean_cann.sh lines 259-261)")
+    if target.exists():
+        raise StepFailed(f"workaround read-only leftovers: {target} could not be removed",
+                         f"remove it by hand (chmod -R u+w {parent}; rm -rf {target})")
+
+
+# --- edits ----------------------------------------------------------------------------------
+
+
+def apply_edit(workdir: Path, edit: FileEdit, log: Path) -> str:
+    """Extend the first line matching ``edit.line`` unless the file has ``edit.unless``."""
+    path = workdir / edit.file
+    label = f"workaround {edit.why or edit.unless}"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise StepFailed(f"{label}: cannot read {path} ({exc.strerror})",
+                         "the source is not at its pinned commit: run `dsv4-offload fetch`"
+                         ) from None
+    if edit.unless in text:
+        note(log, f"{label}: {edit.file} already has {edit.unless}")
+        return "already"
+    pattern = re.compile(f"^(.*(?:{edit.line}).*)$", re.MULTILINE)
+    new, count = pattern.subn(lambda m: m.group(1) + edit.append, text, count=1)
+    if count == 0 or edit.unless not in new:
+        raise StepFailed(f"{label}: no line of {edit.file} matches '{edit.line}', so "
+                         f"'{edit.append.strip()}' could not be added",
+                         f"add {edit.append.strip()} by hand to {path} or update the recipe")
+    atomic_write_bytes(path, new.encode("utf-8"))
+    note(log, f"{label}: appended '{edit.append.strip()}' to the line matching "
+              f"'{edit.line}' in {edit.file}")
+    return "applied"
+
+
+# --- versions against the constraints file --------------------------------------------------
+
+
+def read_constraints(path: Path) -> dict[str, str]:
+    """``name==version`` lines of a pip constraints file (comments and blanks skipped)."""
+    out = {}
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        line = raw.split("#", 1)[0].strip()
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)\s*==\s*(\S+)$", line)
+        if m:
+            out[_normal(m.group(1))] = m.group(2)
+    return out
+
+
+def _normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def installed_version(python: str, dist: str, env: dict[str, str]) -> str | None:
+    code = ("import importlib.metadata as m, sys\n"
+            "try:\n    print(m.version(sys.argv[1]))\nexcept m.PackageNotFoundError:\n"
+            "    sys.exit(3)\n")
+    try:
+        proc = subprocess.run([python, "-c", code, dist], capture_output=True, text=True,
+                              env=env, timeout=_QUICK_TIMEOUT_S, stdin=subprocess.DEVNULL,
+                              cwd="/")
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return proc.stdout.strip() if proc.returncode == 0 else None
+
+
+def check_installed(python: str, names: list[str], constraints: Path | None,
+                    env: dict[str, str], log: Path) -> None:
+    """Each of ``names`` installed at its constraints version, the local tag aside
+    (S127-134 compares by prefix: 2.8.0 matches the lock's 2.8.0+cpu)."""
+    if constraints is None:
+        raise StepFailed("require_installed needs build.constraints (the torch lock)",
+                         "set build.constraints to a build.files entry")
+    pins = read_constraints(constraints)
+    for name in names:
+        want = pins.get(_normal(name))
+        if want is None:
+            raise StepFailed(f"require_installed: {name} is not pinned in {constraints}",
+                             "add it to the constraints or drop it from require_installed")
+        got = installed_version(python, name, env)
+        note(log, f"require_installed: {name} {got or 'missing'} (constraints: {want})")
+        if got is None or got.split("+", 1)[0] != want.split("+", 1)[0]:
+            raise StepFailed(
+                f"{name} is {got or 'not installed'}, {constraints.name} pins {want}",
+                f"install the versions of {constraints.name} into {python} (torch from "
+                "https://download.pytorch.org/whl/cpu, torch_npu from the Ascend index), "
+                "e.g. `pip install -c " + str(constraints) + f" {name}=={want}`")
+
+
+# --- .run packages --------------------------------------------------------------------------
+
+
+def find_run_package(workdir: Path, package: RunPackage) -> Path:
+    found = sorted(workdir.glob(package.glob))
+    if not found:
+        raise StepFailed(f"no .run package matching {package.glob} was produced in {workdir}",
+                         "the build did not finish its packaging: read the step's log")
+    return found[0]
+
+
+def make_executable(path: Path) -> None:
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def step_workdir(workspace: Workspace, step: BuildStep) -> Path:
+    return workspace.root / step.workdir if step.workdir else workspace.root

@@ -1,0 +1,547 @@
+"""The runtime container of recipes whose NPU side runs in an image (the 910B image).
+
+1. ``plan_container``: the ``docker run`` argv of the delivery's
+   ``scripts/launch_dsv4_singleCard_cann8.5.0_910b.sh`` (cann-recipes-infer @ 1a7fbd3), flag
+   for flag, with three deliberate differences: ``-d`` (it runs in the background, not as an
+   interactive shell), a label holding the digest of what defines it, and the workspace (and
+   any weights directory outside it) mounted at the same path as on the host instead of
+   ``/workspace/code`` and ``/workspace/models``, so every absolute path in the state file
+   means the same file on both sides.
+2. ``container_up``: a container of that name carrying the same digest is reused; one with
+   another digest is replaced (with the reason); the image is pulled when missing. Then the
+   packages the image lacks (hwloc, pkg-config) and this tool (a wheel of the running
+   install) are checked, and installed when missing: both are lost when it is recreated.
+3. ``exec_argv`` / ``run_stage_inside``: a stage run in the container by this same tool, on
+   the same workspace; the host lends it the workspace lock for that time.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import tempfile
+import zipfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, recipe_path, resolve_recipe_path
+from dsv4_offload.workspace import HANDOFF_ENV, Workspace
+
+if TYPE_CHECKING:
+    from dsv4_offload.stage import StageContext, StageResult, Task
+
+LABEL = "dsv4-offload.config"
+IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by `container exec`: this process is inside
+RUNTIME_ENV = "DSV4_RUNTIME"  # 'host': run every stage here whatever the recipe's runtime
+DOCKER_FIX = "install the Docker client and engine (apt-get install docker.io) and make sure " \
+             "`docker ps` works for this user"
+# the three control nodes of the launch script (lines 31-33), each only when present
+CONTROL_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
+_DAVINCI = re.compile(r"^davinci(\d+)$")
+_QUICK_TIMEOUT_S = 120.0
+# guide G78/G105 and setup_dsv4_env_from_clean_cann.sh lines 108-112: build time needs
+# hwloc.pc (pkg-config), run time libhwloc.so.15
+PACKAGES_CHECK = "pkg-config --exists hwloc && ldconfig -p | grep -q libhwloc.so.15"
+
+
+# --- the plan: what `docker run` the recipe asks for -----------------------------------------
+
+
+@dataclass
+class ContainerPlan:
+    name: str
+    image: str
+    devices: list[str]
+    mounts: list[str]  # HOST:CONTAINER, the driver mounts then ours
+    port: int
+    shm_size: str
+    python: str
+    tool_dir: str
+    packages: list[str]
+
+    @property
+    def digest(self) -> str:
+        """What defines the container: a reused one must carry the same."""
+        blob = json.dumps([self.image, self.devices, self.mounts, self.port, self.shm_size])
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def run_argv(self) -> list[str]:
+        """The launch script's `docker run` (lines 57-65), detached and labelled."""
+        argv = ["docker", "run", "-d", "--rm", "-it", "--name", self.name]
+        for device in self.devices:
+            argv += ["--device", device]
+        for mount in self.mounts:
+            argv += ["-v", mount]
+        argv += ["--cap-add=SYS_PTRACE", "--security-opt", "seccomp=unconfined",
+                 "--ipc=host", "--privileged=true",
+                 "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",
+                 "--shm-size", self.shm_size,
+                 "-p", f"{self.port}:{self.port}",
+                 "--label", f"{LABEL}={self.digest}",
+                 self.image, "bash"]
+        return argv
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"name": self.name, "image": self.image, "devices": self.devices,
+                "mounts": self.mounts, "port": self.port, "shm_size": self.shm_size,
+                "digest": self.digest}
+
+
+def device_nodes(devices: str, root: Path | None = None) -> list[str]:
+    """``--device`` paths as the launch script picks them (lines 30-42).
+
+    The three control nodes when present; then every ``/dev/davinciN`` in version order for
+    ``auto``, else the listed ids that exist. ``root`` is a captured sysroot (tests).
+    """
+    base = (root or Path("/")) / "dev"
+    out = [node for node in CONTROL_NODES if (base / Path(node).name).exists()]
+    if devices == "auto":
+        found = sorted((int(m.group(1)) for p in _listdir(base)
+                        if (m := _DAVINCI.match(p))), key=int)
+        ids = [str(i) for i in found]
+    else:
+        ids = [i for i in devices.split(",") if (base / f"davinci{i}").exists()]
+    return out + [f"/dev/davinci{i}" for i in ids]
+
+
+def _listdir(path: Path) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
+
+
+def workspace_mounts(workspace: Workspace, recipe: Recipe) -> list[str]:
+    """The workspace at its own path, and any weights directory that resolves outside it."""
+    root = workspace.root
+    mounts = [f"{root}:{root}"]
+    for which in ("w8a8", "mxfp4"):
+        real = workspace.weights_dir(recipe, which).resolve()
+        if not real.is_relative_to(root.resolve()) and f"{real}:{real}" not in mounts:
+            mounts.append(f"{real}:{real}")
+    return mounts
+
+
+def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None = None,
+                   host_root: Path | None = None) -> ContainerPlan:
+    runtime = recipe.runtime
+    if runtime.kind != "container" or not runtime.image:
+        raise InputError(f"recipe '{recipe.name}': runtime.kind is '{runtime.kind}', so there "
+                         "is no container to run; use a recipe whose runtime is an image "
+                         "(dsv4-flash-910b) or --set runtime.kind=container")
+    chosen = devices or runtime.devices
+    if not re.match(r"^(auto|\d+(,\d+)*)$", chosen):
+        raise InputError(f"--devices {chosen!r}: expected 'auto' or NPU ids such as '0' or '0,3'")
+    return ContainerPlan(
+        name=runtime.name, image=runtime.image,
+        devices=device_nodes(chosen, host_root),
+        mounts=list(runtime.mounts) + workspace_mounts(workspace, recipe),
+        port=recipe.serve.port, shm_size=runtime.shm_size, python=runtime.python,
+        tool_dir=runtime.tool_dir, packages=list(runtime.packages))
+
+
+def inside_container() -> bool:
+    """Whether this process runs in a container (ours says so; docker adds /.dockerenv)."""
+    return bool(os.environ.get(IN_CONTAINER_ENV)) or Path("/.dockerenv").exists()
+
+
+def runs_inside(recipe: Recipe, stage: str) -> bool:
+    """Whether `run` sends ``stage`` into the recipe's container from here.
+
+    Not from a process `container exec` started, nor with ``DSV4_RUNTIME=host``, nor from
+    inside some container without a docker client (the operator entered the image by hand,
+    as the guide does): there the stage runs where it is.
+    """
+    runtime = recipe.runtime
+    if runtime.kind != "container" or stage not in runtime.stages:
+        return False
+    if os.environ.get(IN_CONTAINER_ENV) or os.environ.get(RUNTIME_ENV) == "host":
+        return False
+    return not (Path("/.dockerenv").exists() and shutil.which("docker") is None)
+
+
+# --- the docker client ----------------------------------------------------------------------
+
+
+def require_docker() -> str:
+    path = shutil.which("docker")
+    if path is None:
+        raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}")
+    return path
+
+
+def docker_query(args: list[str]) -> tuple[int, str]:
+    """A quick docker question (inspect, ps): exit code and stdout."""
+    try:
+        proc = subprocess.run(["docker", *args], capture_output=True, text=True,
+                              stdin=subprocess.DEVNULL, timeout=_QUICK_TIMEOUT_S)
+    except FileNotFoundError:
+        raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
+    except subprocess.TimeoutExpired:
+        raise Dsv4Error(f"`docker {' '.join(args[:2])}` did not answer in "
+                        f"{_QUICK_TIMEOUT_S:.0f}s; is the Docker engine running?") from None
+    if proc.returncode != 0 and re.search(r"Cannot connect to the Docker daemon|permission "
+                                          r"denied.*docker", proc.stderr, re.I):
+        raise Dsv4Error(f"docker: {proc.stderr.strip().splitlines()[-1]}; {DOCKER_FIX}")
+    return proc.returncode, proc.stdout
+
+
+def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) -> None:
+    """A docker command whose output goes to the log; a failure names ``what`` failed."""
+    from dsv4_offload.runner import CommandFailed, run_command
+
+    def on_line(line: str) -> None:
+        if task is not None:
+            task.update(description=f"{what}: {line.strip()[:60]}")
+
+    try:
+        run_command(["docker", *args], log=log, on_line=on_line, check=True)
+    except CommandFailed as exc:
+        raise Dsv4Error(f"{what} failed: {exc.message}", log=str(log)) from None
+
+
+def image_architecture(image: str) -> str | None:
+    """The image's architecture when it is present locally, else None."""
+    code, out = docker_query(["image", "inspect", "--format", "{{.Architecture}}", image])
+    return (out.strip() or "unknown") if code == 0 else None
+
+
+@dataclass
+class Found:
+    id: str
+    image: str
+    state: str
+    digest: str
+
+
+def find_container(name: str) -> Found | None:
+    fmt = '{{.ID}}\t{{.Image}}\t{{.State}}\t{{.Label "' + LABEL + '"}}'
+    code, out = docker_query(["ps", "-a", "--filter", f"name=^/{name}$", "--format", fmt])
+    for line in out.splitlines():
+        parts = line.split("\t")
+        if len(parts) >= 3:
+            return Found(parts[0], parts[1], parts[2], parts[3] if len(parts) > 3 else "")
+    return None
+
+
+# --- this tool as a wheel -------------------------------------------------------------------
+
+
+def build_self_wheel(dest_dir: Path) -> Path:
+    """A wheel of the running install, byte for byte reproducible (its sha256 names it).
+
+    Built from the installed package files and metadata rather than with `pip wheel`: that
+    works offline, from an editable or a regular install, without build isolation.
+    """
+    import importlib.metadata as md
+
+    import dsv4_offload
+
+    dist = md.distribution("dsv4-offload")
+    version = dist.version
+    package = Path(dsv4_offload.__file__).parent
+    info = f"dsv4_offload-{version}.dist-info"
+    files: list[tuple[str, bytes]] = []
+    for path in sorted(package.rglob("*")):
+        rel = path.relative_to(package.parent).as_posix()
+        if path.is_file() and "__pycache__" not in rel and not rel.endswith((".pyc", ".so")):
+            files.append((rel, path.read_bytes()))
+    files.append((f"{info}/METADATA", (dist.read_text("METADATA") or "").encode()))
+    entry_points = dist.read_text("entry_points.txt")
+    if entry_points:
+        files.append((f"{info}/entry_points.txt", entry_points.encode()))
+    files.append((f"{info}/WHEEL", b"Wheel-Version: 1.0\nGenerator: dsv4-offload\n"
+                                    b"Root-Is-Purelib: true\nTag: py3-none-any\n"))
+    record = "".join(f"{name},sha256={_b64sha(data)},{len(data)}\n" for name, data in files)
+    files.append((f"{info}/RECORD", (record + f"{info}/RECORD,,\n").encode()))
+    target = dest_dir / f"dsv4_offload-{version}-py3-none-any.whl"
+    fd, tmp = tempfile.mkstemp(dir=dest_dir, suffix=".whl.tmp")
+    os.close(fd)
+    try:
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as zf:
+            for name, data in files:
+                entry = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
+                entry.external_attr = 0o644 << 16
+                zf.writestr(entry, data, zipfile.ZIP_DEFLATED)
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return target
+
+
+def _b64sha(data: bytes) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+
+
+def file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# --- up / status / down ---------------------------------------------------------------------
+
+
+@dataclass
+class UpReport:
+    plan: ContainerPlan
+    action: str = ""  # created | reused | replaced
+    messages: list[str] = field(default_factory=list)
+    pulled: bool = False
+    packages: str = ""  # present | installed
+    tool: str = ""  # present | installed
+    tool_digest: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.plan.as_dict(), "action": self.action, "messages": self.messages,
+                "pulled": self.pulled, "packages": self.packages, "tool": self.tool,
+                "tool_digest": self.tool_digest}
+
+
+def container_up(plan: ContainerPlan, workspace: Workspace, *, task: Task | None = None
+                 ) -> UpReport:
+    """Reuse, replace or create the container, then make sure of its packages and the tool."""
+    require_docker()
+    log = workspace.log_dir("container") / "container.log"
+    report = UpReport(plan)
+    found = find_container(plan.name)
+    if found is not None and found.digest == plan.digest and found.state == "running":
+        report.action = "reused"
+    else:
+        if found is not None:
+            if not found.digest:
+                raise Dsv4Error(
+                    f"a container named {plan.name} exists that dsv4-offload did not start "
+                    f"(image {found.image}); keep it under another name or remove it "
+                    f"(docker rm -f {plan.name}), or set runtime.name")
+            why = (f"its image is {found.image}, the recipe wants {plan.image}"
+                   if found.image != plan.image else
+                   f"it is {found.state}" if found.digest == plan.digest else
+                   "its mounts, devices, port or shm size differ from the recipe's")
+            report.messages.append(f"replaced container {plan.name} ({found.id[:12]}): {why}")
+            docker_run(["rm", "-f", plan.name], log, f"removing container {plan.name}", task)
+            report.action = "replaced"
+        else:
+            report.action = "created"
+        if image_architecture(plan.image) is None:
+            report.messages.append(f"pulled {plan.image}")
+            docker_run(["pull", plan.image], log, f"docker pull {plan.image}", task)
+            report.pulled = True
+        docker_run(plan.run_argv()[1:], log, f"docker run {plan.image}", task)
+    report.packages = ensure_packages(plan, log, task)
+    report.tool, report.tool_digest = ensure_tool(plan, workspace, log, task)
+    return report
+
+
+def _exec(plan: ContainerPlan, command: list[str]) -> list[str]:
+    return ["exec", plan.name, *command]
+
+
+def ensure_packages(plan: ContainerPlan, log: Path, task: Task | None = None) -> str:
+    """hwloc and pkg-config inside: checked every time (lost when the container is new)."""
+    if not plan.packages:
+        return "none asked"
+    code, _ = docker_query(_exec(plan, ["sh", "-c", PACKAGES_CHECK]))
+    if code == 0:
+        return "present"
+    wanted = " ".join(plan.packages)
+    docker_run(_exec(plan, ["sh", "-c", f"apt-get update && apt-get install -y {wanted}"]), log,
+               f"installing {wanted} in {plan.name}", task)
+    code, _ = docker_query(_exec(plan, ["sh", "-c", PACKAGES_CHECK]))
+    if code != 0:
+        raise Dsv4Error(f"{plan.name}: {wanted} installed but `{PACKAGES_CHECK}` still fails; "
+                        "install them by hand in the container", log=str(log))
+    return "installed"
+
+
+def ensure_tool(plan: ContainerPlan, workspace: Workspace, log: Path,
+                task: Task | None = None) -> tuple[str, str]:
+    """This tool inside, from a wheel of the running install; reinstalled when it differs."""
+    wheels = workspace.meta_dir / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wheel = build_self_wheel(wheels)
+    digest = file_sha256(wheel)
+    marker = f"{plan.tool_dir}/wheel.sha256"
+    code, out = docker_query(_exec(plan, ["cat", marker]))
+    if code == 0 and out.strip() == digest:
+        return "present", digest
+    inside = f"{plan.tool_dir}/{wheel.name}"
+    docker_run(_exec(plan, ["mkdir", "-p", plan.tool_dir]), log, "preparing the tool dir", task)
+    docker_run(["cp", str(wheel), f"{plan.name}:{inside}"], log, "copying the tool in", task)
+    # the version number does not change between builds of the tool: force the files in,
+    # then let pip bring any missing dependency
+    pip = [plan.python, "-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
+    docker_run(_exec(plan, [*pip, "--force-reinstall", "--no-deps", inside]), log,
+               f"installing dsv4-offload in {plan.name}", task)
+    docker_run(_exec(plan, [*pip, inside]), log, "installing its dependencies", task)
+    docker_run(_exec(plan, ["sh", "-c", f"printf %s {digest} > {shlex.quote(marker)}"]), log,
+               "recording the tool's digest", task)
+    return "installed", digest
+
+
+@dataclass
+class ContainerStatus:
+    plan: ContainerPlan
+    found: Found | None
+    matches: bool
+    tool_version: str | None = None
+    tool_digest: str | None = None
+    image_arch: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.plan.as_dict(), "exists": self.found is not None,
+                "id": self.found.id if self.found else None,
+                "state": self.found.state if self.found else None,
+                "running_image": self.found.image if self.found else None,
+                "matches_recipe": self.matches, "tool_version": self.tool_version,
+                "tool_digest": self.tool_digest, "image_arch": self.image_arch}
+
+
+def container_status(plan: ContainerPlan) -> ContainerStatus:
+    require_docker()
+    found = find_container(plan.name)
+    status = ContainerStatus(plan, found, bool(found and found.digest == plan.digest),
+                             image_arch=image_architecture(plan.image))
+    if found is not None and found.state == "running":
+        code, out = docker_query(_exec(plan, [plan.python, "-m", "dsv4_offload", "--version"]))
+        status.tool_version = out.strip() if code == 0 else None
+        code, out = docker_query(_exec(plan, ["cat", f"{plan.tool_dir}/wheel.sha256"]))
+        status.tool_digest = out.strip() if code == 0 else None
+    return status
+
+
+def container_down(plan: ContainerPlan, workspace: Workspace) -> bool:
+    """Remove the container (ours only); False when there was none."""
+    require_docker()
+    found = find_container(plan.name)
+    if found is None:
+        return False
+    if not found.digest:
+        raise Dsv4Error(f"container {plan.name} was not started by dsv4-offload; leaving it "
+                        f"alone (docker rm -f {plan.name} removes it)")
+    docker_run(["rm", "-f", plan.name], workspace.log_dir("container") / "container.log",
+               f"removing container {plan.name}")
+    return True
+
+
+# --- running this tool inside ---------------------------------------------------------------
+
+
+def recipe_argument(spec: str | None, plan: ContainerPlan) -> list[str]:
+    """``--recipe`` for the inner command: a bundled name, or a file under a mounted path."""
+    path = resolve_recipe_path(spec).absolute()
+    if path.parent == BUNDLED_RECIPES:
+        return ["--recipe", path.stem]
+    for mount in plan.mounts:
+        host, _, inside = mount.partition(":")
+        if host.rstrip("/") == inside.rstrip("/") and path.is_relative_to(host):
+            return ["--recipe", str(path)]
+    raise InputError(f"recipe file {path} is not visible in the container (only the workspace "
+                     "is mounted at its own path); copy it into the workspace and pass that "
+                     "path to --recipe")
+
+
+def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None,
+              overrides: list[str], args: list[str], env: dict[str, str] | None = None
+              ) -> list[str]:
+    """``docker exec`` running this tool inside on the same workspace and recipe."""
+    argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
+    for key, value in (env or {}).items():
+        argv += ["-e", f"{key}={value}"]
+    argv += ["-w", str(workspace.root), plan.name, plan.python, "-m", "dsv4_offload",
+             "--workspace", str(workspace.root), *recipe_argument(recipe_spec, plan)]
+    for item in overrides:
+        argv += ["--set", item]
+    return argv + list(args)
+
+
+def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> StageResult:
+    """Run one stage in the container with the lock lent to it; its result from its JSON.
+
+    The inner `run --from S --to S --force S` records the stage in the shared state file
+    itself; the host only reads back what it printed.
+    """
+    from dsv4_offload.stage import Problem, StageResult, Status
+
+    plan = plan_container(ctx.recipe, ctx.workspace, devices=options.get("devices"))
+    with ctx.task(f"container {plan.name}") as task:
+        container_up(plan, ctx.workspace, task=task)
+    args = ["--json", "run", "--from", stage, "--to", stage, "--force", stage]
+    if options.get("device") is not None:
+        args += ["--device", str(options["device"])]
+    log = ctx.workspace.log_dir("container") / f"{stage}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    path = recipe_path(ctx.recipe)
+    spec = str(path) if path is not None else None
+    overrides = list(getattr(ctx.recipe, "_overrides", []) or [])
+    with ctx.workspace.lend_lock() as token:
+        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, {HANDOFF_ENV: token})
+        with ctx.task(f"{stage} in {plan.name}"):
+            code, out = _run_capturing(
+                argv, log, on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
+    try:
+        doc = json.loads(out)
+    except ValueError:
+        doc = {}
+    data = doc.get("data") if isinstance(doc, dict) else None
+    record = (data.get("stages") or {}).get(stage) if isinstance(data, dict) else None
+    if not isinstance(record, dict):
+        # an expected error inside (bad input, a locked workspace) prints {"error": ...}
+        error = data.get("error") if isinstance(data, dict) else None
+        message = error or f"`docker exec {plan.name}` exited {code} without a result"
+        return StageResult(Status.FAILED, f"{stage} in container {plan.name} failed",
+                           problems=[Problem("error", message, fix=f"see the log: {log}",
+                                             check="container")], log=str(log))
+    return StageResult(
+        Status(record["status"]), record.get("summary", ""), data=record.get("data") or {},
+        problems=[Problem(p["severity"], p["message"], p.get("fix", ""), p.get("check", ""))
+                  for p in record.get("problems") or []],
+        outputs=record.get("outputs") or {}, log=record.get("log") or str(log))
+
+
+def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> None:
+    """Ctrl-C for the stage's process in the container: killing the `docker exec` client
+    would leave it running (and writing the state) after the host let go of the lock."""
+    record = workspace.read_state().get("stages", {}).get(stage) or {}
+    pid = record.get("pid")
+    if record.get("status") == "running" and isinstance(pid, int):
+        with contextlib.suppress(Dsv4Error):
+            docker_query(_exec(plan, ["kill", "-INT", str(pid)]))
+
+
+def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
+                   grace: float = 60.0) -> tuple[int, str]:
+    """Run ``argv``: stdout returned (the JSON), stderr appended to ``log``.
+
+    On Ctrl-C, ``on_interrupt`` stops the work inside first; the client gets ``grace``
+    seconds to come back with it before it is killed.
+    """
+    with open(log, "ab") as err:
+        err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
+        err.flush()
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            out, _ = proc.communicate()
+        except BaseException:
+            if on_interrupt is not None:
+                on_interrupt()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait()
+            raise
+        err.write(f"=== exit {proc.returncode}\n".encode())
+    return proc.returncode, out.decode("utf-8", errors="replace")
+

@@ -1,0 +1,393 @@
+"""`container up|exec|status|down` against a recording `docker` (no engine runs here).
+
+The expected `docker run` is the delivery's scripts/launch_dsv4_singleCard_cann8.5.0_910b.sh
+(cann-recipes-infer @ 1a7fbd348f4d8be4aecdb369d4b0fe89d433f5a5), written below as data with
+its lines, on the Kunpeng-920 + 910B sysroot fixture (8 davinci nodes + the 3 control nodes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+FIXTURE = TESTS / "fixtures" / "hosts" / "kunpeng920-910b"
+IMAGE = "lmsysorg/sglang:deepseek-v4-npu-910b"  # launch script line 21
+NAME = "dsv4_singlecard"  # line 22
+
+
+def delivery_argv(workspace: Path, davinci: list[int]) -> list[str]:
+    """The launch script's `docker run` for its defaults, with our documented changes:
+    `-d` added (detached, not an interactive shell) and the workspace mounted at its own
+    path in place of WORKSPACE -> /workspace/code and MODEL_DIR -> /workspace/models."""
+    return [
+        "docker", "run", "-d", "--rm", "-it",                       # line 57 (+ -d)
+        "--name", NAME,                                             # line 58
+        "--device", "/dev/davinci_manager",                         # lines 31-33
+        "--device", "/dev/devmm_svm",
+        "--device", "/dev/hisi_hdc",
+        *[x for i in davinci for x in ("--device", f"/dev/davinci{i}")],  # lines 34-42
+        "-v", "/usr/local/sbin:/usr/local/sbin",                    # line 46
+        "-v", "/usr/local/dcmi:/usr/local/dcmi",                    # line 47
+        "-v", "/usr/local/bin/npu-smi:/usr/local/bin/npu-smi",      # line 48
+        "-v", "/usr/local/Ascend/driver/:/usr/local/Ascend/driver/",  # line 49
+        "-v", "/usr/local/Ascend/firmware:/usr/local/Ascend/firmware",  # line 50
+        "-v", "/etc/ascend_install.info:/etc/ascend_install.info",  # line 51
+        "-v", "/var/queue_schedule:/var/queue_schedule",            # line 52
+        "-v", f"{workspace}:{workspace}",                           # lines 53-54, changed
+        "--cap-add=SYS_PTRACE", "--security-opt", "seccomp=unconfined",  # line 60
+        "--ipc=host", "--privileged=true",                          # line 61
+        "--ulimit", "memlock=-1", "--ulimit", "stack=67108864",     # line 62
+        "--shm-size", "16g",                                        # line 63 (SHM_SIZE, 26)
+        "-p", "8020:8020",                                          # line 64 (SERVICE_PORT, 25)
+        IMAGE, "bash",                                              # line 65
+    ]
+
+
+def _script(path: Path, body: str) -> None:
+    path.write_text(f"#!{sys.executable}\n{body}")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+
+
+@pytest.fixture
+def docker_env(tmp_path: Path) -> dict[str, str]:
+    """PATH with the recording docker and the image's missing/needed tools as stand-ins."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _script(bin_dir / "docker", (TESTS / "recording_docker.py").read_text())
+    marker = "os.path.join(os.environ.get('FAKE_CONTAINER_ROOT', '/nonexistent'), 'hwloc')"
+    # hwloc.pc and libhwloc.so.15 exist in the container only once apt-get installed them
+    _script(bin_dir / "pkg-config", f"import os, sys\nsys.exit(0 if os.path.exists({marker}) "
+                                    "else 1)\n")
+    _script(bin_dir / "ldconfig", f"import os\nif os.path.exists({marker}):\n"
+                                  "    print('\\tlibhwloc.so.15 (libc6,AArch64) => "
+                                  "/lib/aarch64-linux-gnu/libhwloc.so.15')\n")
+    _script(bin_dir / "apt-get", "import json, os, sys\n"
+            "root = os.environ['FAKE_CONTAINER_ROOT']\n"
+            "open(os.path.join(root, 'apt.log'), 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+            "if sys.argv[1] == 'install':\n"
+            "    open(os.path.join(root, 'hwloc'), 'w').close()\n")
+    # the image's python: pip is recorded, anything else runs this tool for real
+    _script(bin_dir / "image-python", "import json, os, sys\n"
+            "if sys.argv[1:3] == ['-m', 'pip']:\n"
+            "    root = os.environ['FAKE_CONTAINER_ROOT']\n"
+            "    open(os.path.join(root, 'pip.log'), 'a').write(json.dumps(sys.argv[3:]) + '\\n')\n"
+            "    sys.exit(0)\n"
+            f"os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n")
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "FAKE_DOCKER": str(tmp_path / "docker"), "DSV4_HOST_ROOT": str(FIXTURE),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
+    return env
+
+
+def _args(ws: Path, *extra: str) -> list[str]:
+    return ["--workspace", str(ws), "--set", "runtime.python=image-python",
+            "--set", f"runtime.tool_dir={ws.parent}/docker/fs/{NAME}/opt/dsv4-offload",
+            *extra]
+
+
+def _calls(env: dict[str, str]) -> list[list[str]]:
+    path = Path(env["FAKE_DOCKER"]) / "argv.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _runs(env: dict[str, str]) -> list[list[str]]:
+    return [c for c in _calls(env) if c[1] == "run"]
+
+
+def _without_label(argv: list[str]) -> list[str]:
+    i = argv.index("--label")
+    assert argv[i + 1].startswith("dsv4-offload.config=")
+    return argv[:i] + argv[i + 2:]
+
+
+def _fs(env: dict[str, str]) -> Path:
+    return Path(env["FAKE_DOCKER"]) / "fs" / NAME
+
+
+def test_up_runs_the_delivery_docker_run_pulls_and_installs(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    r = cli(*_args(ws), "--json", "container", "up", env=docker_env)
+    assert r.code == 0, r
+    doc = r.json()["data"]
+    assert doc["action"] == "created" and doc["pulled"] is True
+    calls = _calls(docker_env)
+    verbs = [c[1] for c in calls]
+    assert verbs.index("pull") < verbs.index("run")  # missing image pulled first
+    assert _without_label(_runs(docker_env)[0]) == delivery_argv(ws, list(range(8)))
+    # the packages the image lacks, then this tool from a wheel of the running install
+    apt = [json.loads(x) for x in (_fs(docker_env) / "apt.log").read_text().splitlines()]
+    assert apt == [["update"], ["install", "-y", "libhwloc-dev", "libhwloc15", "pkg-config"]]
+    pip = [json.loads(x) for x in (_fs(docker_env) / "pip.log").read_text().splitlines()]
+    wheel = next(c for c in calls if c[1] == "cp")[3].split(":", 1)[1]
+    assert wheel.endswith("-py3-none-any.whl") and Path(wheel).is_file()
+    assert pip[0][-3:] == ["--force-reinstall", "--no-deps", wheel] and pip[1][-1] == wheel
+    import zipfile
+
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "dsv4_offload/container.py" in names
+    assert "dsv4_offload/data/recipes/dsv4-flash-910b.yaml" in names
+    assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
+
+
+@pytest.mark.parametrize(("devices", "davinci"), [
+    ("3", [3]),                       # one card (NPU_VISIBLE_DEVICES, line 27 / 39-40)
+    ("0,1,2,3,4,5,6,7", list(range(8))),  # all of them, listed
+    ("0,9", [0]),                     # an id without a node is dropped, as line 40 does
+])
+def test_up_with_chosen_devices(cli, tmp_path: Path, docker_env: dict[str, str],
+                                devices: str, davinci: list[int]) -> None:
+    ws = tmp_path / "ws"
+    r = cli(*_args(ws), "container", "up", "--devices", devices, env=docker_env)
+    assert r.code == 0, r
+    assert _without_label(_runs(docker_env)[0]) == delivery_argv(ws, davinci)
+
+
+def test_matching_container_is_reused_and_rechecked(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    assert cli(*_args(ws), "container", "up", env=docker_env).code == 0
+    before = len(_calls(docker_env))
+    r = cli(*_args(ws), "--json", "container", "up", env=docker_env)
+    assert r.code == 0, r
+    doc = r.json()["data"]
+    assert (doc["action"], doc["packages"], doc["tool"]) == ("reused", "present", "present")
+    later = [c[1] for c in _calls(docker_env)[before:]]
+    assert "run" not in later and "pull" not in later and "rm" not in later and "cp" not in later
+    # the packages are checked again inside the reused container
+    assert any(c[1] == "exec" and "pkg-config --exists hwloc" in " ".join(c)
+               for c in _calls(docker_env)[before:])
+
+
+def test_stale_container_is_replaced_with_a_message(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    assert cli(*_args(ws), "container", "up", env=docker_env).code == 0
+    r = cli(*_args(ws), "container", "up", "--devices", "0", env=docker_env)
+    assert r.code == 0, r
+    assert f"replaced container {NAME}" in r.out and "mounts, devices" in r.out
+    verbs = [c[1] for c in _calls(docker_env)]
+    assert verbs.count("run") == 2 and verbs.index("rm") > verbs.index("run")
+    assert _without_label(_runs(docker_env)[1]) == delivery_argv(ws, [0])
+    # a new container has lost hwloc and the tool: both installed again
+    apt = (_fs(docker_env) / "apt.log").read_text().splitlines()
+    assert len(apt) == 2 and (_fs(docker_env) / "pip.log").exists()
+    # another image: replaced, and the message says so
+    r = cli(*_args(ws, "--set", "runtime.image=example/other:1"), "container", "up",
+            "--devices", "0", env=docker_env)
+    assert r.code == 0, r
+    assert f"its image is {IMAGE}, the recipe wants example/other:1" in r.out
+
+
+def test_foreign_container_of_the_same_name_is_left_alone(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    state = Path(docker_env["FAKE_DOCKER"])
+    state.mkdir()
+    (state / "state.json").write_text(json.dumps({"images": [IMAGE], "next": 5, "containers": {
+        NAME: {"id": "f" * 64, "image": IMAGE, "state": "running", "label": ""}}}))
+    r = cli(*_args(tmp_path / "ws"), "container", "up", env=docker_env)
+    assert r.code == 1
+    assert "dsv4-offload did not start" in r.err and f"docker rm -f {NAME}" in r.err
+    assert not any(c[1] in ("rm", "run") for c in _calls(docker_env))
+
+
+def test_status_and_down(cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    r = cli(*_args(ws), "--json", "container", "status", env=docker_env)
+    assert r.code == 0 and r.json()["data"]["exists"] is False
+    assert cli(*_args(ws), "container", "up", env=docker_env).code == 0
+    r = cli(*_args(ws), "--json", "container", "status", env=docker_env)
+    doc = r.json()["data"]
+    assert doc["exists"] and doc["matches_recipe"] and doc["running_image"] == IMAGE
+    assert doc["tool_version"].startswith("dsv4-offload ") and len(doc["tool_digest"]) == 64
+    assert f"{ws}:{ws}" in doc["mounts"] and doc["image_arch"] == "arm64"
+    r = cli(*_args(ws), "container", "down", env=docker_env)
+    assert r.code == 0 and f"removed {NAME}" in r.out
+    assert cli(*_args(ws), "--json", "container", "status",
+               env=docker_env).json()["data"]["exists"] is False
+
+
+def test_exec_runs_a_stage_on_the_same_state(cli, tmp_path: Path, docker_env: dict[str, str],
+                                             fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "container", "exec", "--", "doctor", env=env)
+    assert r.code == 0, r
+    assert (ws / "ran.log").read_text().splitlines() == [f"doctor (in container {NAME})"]
+    doc = cli(*_args(ws), "--json", "status", env=env).json()["data"]
+    assert next(s for s in doc["stages"] if s["name"] == "doctor")["state"] == "done"
+
+
+def test_run_sends_container_stages_in_and_keeps_the_others_here(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    plan = cli(*_args(ws), "--json", "run", "--dry-run", env=env).json()["data"]["plan"]
+    reasons = {p["stage"]: p["reason"] for p in plan}
+    assert reasons["build"].endswith(f"(in container {NAME})")
+    assert "container" not in reasons["fetch"] and "container" not in reasons["convert"]
+    r = cli(*_args(ws), "run", env=env)
+    assert r.code == 0, r
+    ran = (ws / "ran.log").read_text().splitlines()
+    inside = f" (in container {NAME})"
+    assert ran == ["doctor", "fetch", "patch", "build" + inside, "selftest" + inside,
+                   "download", "convert",
+                   "verify-gguf", "serve" + inside, "accept" + inside]
+    # one state file: status on the host tells the whole story, nothing stale
+    doc = cli(*_args(ws), "--json", "status", env=env).json()["data"]
+    assert {s["name"]: s["state"] for s in doc["stages"]} == dict.fromkeys(
+        ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
+         "serve", "accept"], "done")
+    # the container's build saw its own tool versions; the host's status keeps them
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["fingerprint"]["input.where"] == "container"
+    # the lock was lent, then taken back: a second run on the workspace is refused meanwhile
+    assert "lent" not in (ws / ".dsv4/lock").read_text()
+    assert cli(*_args(ws), "run", env=env).code == 0  # all done: skips everything
+
+
+def test_container_stage_cannot_take_the_lock_without_the_token(
+        tmp_path: Path) -> None:
+    from dsv4_offload.errors import LockedError
+    from dsv4_offload.workspace import HANDOFF_ENV, Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    probe = ("import os, sys\nfrom dsv4_offload.workspace import Workspace\n"
+             "with Workspace(sys.argv[1]).lock('inner'):\n    print('inside')\n")
+    import subprocess
+
+    with ws.lock("run"):
+        with ws.lend_lock() as token:
+            assert f"lent {token}" in ws.lock_file.read_text()
+            ok = subprocess.run([sys.executable, "-c", probe, str(ws.root)], text=True,
+                                capture_output=True, env={**os.environ, HANDOFF_ENV: token})
+            assert ok.returncode == 0 and ok.stdout == "inside\n", ok.stderr
+            other = subprocess.run([sys.executable, "-c", probe, str(ws.root)], text=True,
+                                   capture_output=True,
+                                   env={**os.environ, HANDOFF_ENV: "not-the-token"})
+            assert other.returncode != 0 and "LockedError" in other.stderr
+        assert "lent" not in ws.lock_file.read_text()
+        with pytest.raises(RuntimeError):
+            Workspace(tmp_path / "other").lend_lock().__enter__()
+    with pytest.raises(LockedError), ws.lock("a"), Workspace(ws.root).lock("b"):
+        pass
+
+
+def test_serve_status_and_stop_go_where_the_server_runs(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    assert cli(*_args(ws), "run", "--to", "serve", env=env).code == 0
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["serve"]["container"] == NAME
+    assert "container" not in state["stages"]["fetch"]
+    before = len(_calls(docker_env))
+    r = cli(*_args(ws), "serve", "status", env=env)
+    assert r.code == 1 and "no server started from this workspace" in r.out  # said inside
+    inner = [c for c in _calls(docker_env)[before:] if c[1] == "exec"][-1]
+    assert inner[-2:] == ["serve", "status"] and f"DSV4_IN_CONTAINER={NAME}" in inner
+    assert cli(*_args(ws), "container", "down", env=env).code == 0
+    r = cli(*_args(ws), "serve", "stop", env=env)
+    assert r.code == 1 and f"container {NAME} is not running: no server" in r.out
+
+
+def test_exec_refuses_a_recipe_the_container_cannot_see(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    recipe = tmp_path / "elsewhere" / "mine.yaml"
+    recipe.parent.mkdir()
+    recipe.write_text("extends: dsv4-flash-910b\nname: mine\n")
+    r = cli(*_args(tmp_path / "ws"), "--recipe", str(recipe), "container", "exec", "--",
+            "status", env=docker_env)
+    assert r.code == 2
+    assert f"recipe file {recipe} is not visible in the container" in r.err
+
+
+def test_doctor_reports_docker_the_image_and_where_it_runs() -> None:
+    from dsv4_offload.host import probe_host
+    from dsv4_offload.recipe import load_recipe
+    from dsv4_offload.stages.doctor import RuntimeFacts, check_runtime
+
+    recipe = load_recipe("dsv4-flash-910b")
+    facts = probe_host(root=FIXTURE, npu_smi=["cat", str(FIXTURE / "npu-smi-info.txt")])
+    assert facts.tools.get("docker")  # the fixture's client
+
+    def rows(rf: RuntimeFacts, r=recipe):  # type: ignore[no-untyped-def]
+        return {c.name: (c.status, c.observed, c.fix) for c in check_runtime(r, facts, rf)}
+
+    assert rows(RuntimeFacts(False, "arm64"))["image"][:2] == ("ok", "present, arm64")
+    assert rows(RuntimeFacts(False, "arm64"))["container"][1] == "on the host"
+    missing = rows(RuntimeFacts(False, None))["image"]
+    assert missing[0] == "warn" and "container up" in missing[2]
+    wrong = rows(RuntimeFacts(False, "amd64"))["image"]
+    assert wrong[0] == "fail" and "--platform linux/arm64" in wrong[2]
+    inside = rows(RuntimeFacts(True))
+    assert inside["container"][1] == "inside a container" and "image" not in inside
+    assert "image" not in rows(RuntimeFacts(False), load_recipe("dsv4-flash-a3"))
+    import dataclasses
+
+    facts = dataclasses.replace(facts, tools={**facts.tools, "docker": None})
+    assert rows(RuntimeFacts(False, "arm64"))["image"][0] == "fail"
+
+
+@pytest.mark.parametrize(("behave", "said"), [("fail", "told to fail"),
+                                              ("raise", "build: bad input; fix it")])
+def test_a_stage_failing_in_the_container_stops_run_with_its_reason(
+        cli, tmp_path: Path, docker_env: dict[str, str], fake_stages_env: dict[str, str],
+        behave: str, said: str) -> None:
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "build").write_text(behave)
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "--json", "run", env=env)
+    assert r.code == 1
+    doc = r.json()["data"]
+    assert doc["stopped_at"] == "build"
+    assert any(said in p["message"] for p in doc["stages"]["build"]["problems"])
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["status"] == "failed"  # recorded by the container's run
+    assert "download" not in state["stages"]
+
+
+def test_ctrl_c_on_the_host_stops_the_stage_in_the_container(
+        tmp_path: Path, docker_env: dict[str, str], fake_stages_env: dict[str, str]) -> None:
+    import signal
+    import subprocess
+    import time
+
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "build").write_text("sleep")
+    env = {**os.environ, **docker_env,
+           "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    env.pop("DSV4_RUNTIME", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_offload", *_args(ws), "run"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (ws / "build.started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        state = json.loads((ws / ".dsv4/state.json").read_text())
+        inner_pid = state["stages"]["build"]["pid"]
+        assert inner_pid != proc.pid  # the container's process, not ours
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 130, err
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["status"] == "failed"
+    assert "Ctrl-C" in state["stages"]["build"]["error"]  # recorded by the container's run
+    with pytest.raises(ProcessLookupError):
+        os.kill(inner_pid, 0)
+    assert "lent" not in (ws / ".dsv4/lock").read_text()
