@@ -13,6 +13,8 @@ import sys
 import typer
 
 from dsv4_offload import __version__
+from dsv4_offload.cli import complete
+from dsv4_offload.cli.argv import GlobalOptionsGroup, hoist_globals
 from dsv4_offload.cli.kit import (
     GlobalOptions,
     report_error,
@@ -25,10 +27,11 @@ app = typer.Typer(
         "From a bare Kunpeng-920 + Ascend NPU host to a verified DeepSeek-V4-Flash server.\n\n"
         "Stages, in order: doctor, fetch, patch, build, download, convert, verify-gguf, "
         "serve, accept. `run` goes through them, skipping what is done; `status` tells "
-        "what is done, stale (and why), failed or pending."
+        "what is done, stale (and why), failed or pending.\n\n"
+        "The options below may also follow any command: `dsv4-offload status --json`."
     ),
+    cls=GlobalOptionsGroup,
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -50,7 +53,8 @@ def main_options(
         help="Workspace directory (default ./dsv4-work).", show_envvar=True,
     ),
     recipe: str | None = typer.Option(
-        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b)."
+        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b).",
+        autocompletion=complete.recipes,
     ),
     overrides: list[str] = typer.Option(
         [], "--set", metavar="KEY=VALUE",
@@ -133,9 +137,12 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: expected failures print one line and exit with their code."""
     usage_errors, aborts, exits = _click_exception_types()
 
+    import typer.main
+
     args = sys.argv[1:] if argv is None else argv
-    as_json = "--json" in args
-    command = _command_name(args)
+    hoisted, found = hoist_globals(typer.main.get_command(app), args)
+    as_json = "--json" in found
+    command = _command_name(hoisted)
     try:
         rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
