@@ -201,3 +201,10 @@ def test_json_errors_after_the_command_are_json(cli, tmp_path: Path) -> None:
     assert "did you mean port" in res.json()["data"]["error"]
     res = cli("status", "--set", "x=--json", "-w", str(tmp_path))  # a value, not the flag
     assert res.code == 2 and not res.out.startswith("{"), res
+
+
+def test_every_command_help_mentions_the_global_options(cli) -> None:
+    for path, cmd in COMMANDS:
+        assert cmd.epilog and "--json" in cmd.epilog, path
+    res = cli("serve", "status", "--help")
+    assert res.code == 0 and "Global options (-w/--workspace" in res.out, res

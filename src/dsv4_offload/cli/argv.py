@@ -118,8 +118,24 @@ def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
     return kept[:insert_at] + moved + kept[insert_at:], found
 
 
+GLOBALS_EPILOG = ("Global options (-w/--workspace, -r/--recipe, --set, --json, -v, -q) work "
+                  "here too; see `dsv4-offload --help`.")
+
+
+def _add_epilog(cmd: Any) -> None:
+    """Each command's --help says that the global options apply to it."""
+    for sub in getattr(cmd, "commands", {}).values():
+        if not sub.epilog:
+            sub.epilog = GLOBALS_EPILOG
+        _add_epilog(sub)
+
+
 class GlobalOptionsGroup(TyperGroup):
     """The root group: accepts its own (global) options after any subcommand too."""
+
+    def __init__(self, **attrs: Any) -> None:
+        super().__init__(**attrs)
+        _add_epilog(self)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
         hoisted, _ = hoist_globals(self, list(args))
