@@ -85,8 +85,7 @@ GitUrl = Annotated[str, AfterValidator(_url)]
 
 
 class Strict(BaseModel):
-    # a field's docstring is its description (docs/recipe-reference.md, `recipe schema`)
-    model_config = ConfigDict(extra="forbid", frozen=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 # --- sources -------------------------------------------------------------------------------
@@ -95,34 +94,29 @@ class Strict(BaseModel):
 class Source(Strict):
     """A git repository pinned at a full commit and where it goes in the workspace."""
 
-    name: Name
-    """unique plain name; patches name it as their `target`"""
-    url: GitUrl
-    """git URL of the upstream repository"""
-    mirrors: list[GitUrl] = []
-    """more git URLs, tried in order after any `--mirror NAME=URL`"""
-    commit: Commit
-    """the full 40-hex commit; a tag or short SHA is refused (`b3173` is both)"""
+    name: Name = Field(description="unique plain name; patches name it as their `target`")
+    url: GitUrl = Field(description="git URL of the upstream repository")
+    mirrors: list[GitUrl] = Field(
+        [], description="more git URLs, tried in order after any `--mirror NAME=URL`"
+    )
+    commit: Commit = Field(
+        description="the full 40-hex commit; a tag or short SHA is refused (`b3173` is both)"
+    )
     ref: str | None = Field(None, description="human-readable tag or branch; never used alone")
     path: RelPath = Field(description="checkout path, relative to the workspace")
     submodule_of: Name | None = Field(
         None, description="taken as this source's submodule, at the commit above"
     )
-    patched: bool = True
-    """whether the series may target it"""
-    license: str | None = None
-    """its license, for provenance"""
+    patched: bool = Field(True, description="whether the series may target it")
+    license: str | None = Field(None, description="its license, for provenance")
 
 
 class RemoteFile(Strict):
     """A file inside a pinned source (e.g. the delivery), checked by sha256."""
 
-    source: Name
-    """the source that holds the file"""
-    path: RelPath
-    """path inside that source's checkout"""
-    sha256: Sha256
-    """sha256 of the file, checked before use"""
+    source: Name = Field(description="the source that holds the file")
+    path: RelPath = Field(description="path inside that source's checkout")
+    sha256: Sha256 = Field(description="sha256 of the file, checked before use")
 
 
 # --- series --------------------------------------------------------------------------------
@@ -131,10 +125,10 @@ class RemoteFile(Strict):
 class PatchOrigin(Strict):
     """Where a patch comes from: a path inside a pinned source, or a file in this repo."""
 
-    source: Name | None = None
-    """a pinned source that holds the patch (with `path`)"""
-    path: RelPath | None = None
-    """the patch's path inside that source"""
+    source: Name | None = Field(
+        None, description="a pinned source that holds the patch (with `path`)"
+    )
+    path: RelPath | None = Field(None, description="the patch's path inside that source")
     file: RelPath | None = Field(None, description="path relative to the series file")
 
     @model_validator(mode="after")
@@ -147,33 +141,31 @@ class PatchOrigin(Strict):
 
 
 class PatchEntry(Strict):
-    name: Name
-    """unique plain name of the patch"""
-    target: Name
-    """the source the patch applies to"""
-    origin: PatchOrigin
-    """where the patch comes from: `{source, path}` or `{file}`"""
-    sha256: Sha256
-    """sha256 of the patch file, checked before any repository is touched"""
-    strip: int = Field(1, ge=0, le=5)
-    """leading path components to strip (`patch -p`)"""
-    method: Literal["plain", "mbox"]
-    """`plain` diff, or `mbox` (applied with `git am`)"""
-    upstream: Literal["not-submitted", "submitted", "merged", "local"] = "not-submitted"
-    """its state upstream"""
-    description: str = Field(min_length=1)
-    """one line saying what it changes"""
+    name: Name = Field(description="unique plain name of the patch")
+    target: Name = Field(description="the source the patch applies to")
+    origin: PatchOrigin = Field(
+        description="where the patch comes from: `{source, path}` or `{file}`"
+    )
+    sha256: Sha256 = Field(
+        description="sha256 of the patch file, checked before any repository is touched"
+    )
+    strip: int = Field(1, ge=0, le=5, description="leading path components to strip (`patch -p`)")
+    method: Literal["plain", "mbox"] = Field(
+        description="`plain` diff, or `mbox` (applied with `git am`)"
+    )
+    upstream: Literal["not-submitted", "submitted", "merged", "local"] = Field(
+        "not-submitted", description="its state upstream"
+    )
+    description: str = Field(min_length=1, description="one line saying what it changes")
 
 
 class Series(Strict):
-    schema_version: Literal[1] = Field(1, alias="schema")
-    """always `1`"""
-    name: Name
-    """plain name of the series"""
-    description: str = ""
-    """a sentence"""
-    patches: list[PatchEntry] = Field(min_length=1)
-    """the patches, in the order they apply"""
+    schema_version: Literal[1] = Field(1, alias="schema", description="always `1`")
+    name: Name = Field(description="plain name of the series")
+    description: str = Field("", description="a sentence")
+    patches: list[PatchEntry] = Field(
+        min_length=1, description="the patches, in the order they apply"
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> Series:
@@ -188,27 +180,24 @@ class Series(Strict):
 
 
 class BuildStep(Strict):
-    name: Name
-    """unique plain name (`dsv4-offload build NAME`)"""
+    name: Name = Field(description="unique plain name (`dsv4-offload build NAME`)")
     workdir: RelPath = Field(description="relative to the workspace")
-    command: list[str] = Field(min_length=1)
-    """argv; `{python}` is replaced by `build.python`"""
-    env: dict[str, str] = {}
-    """environment added for the step"""
+    command: list[str] = Field(
+        min_length=1, description="argv; `{python}` is replaced by `build.python`"
+    )
+    env: dict[str, str] = Field({}, description="environment added for the step")
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
     check_import: str | None = Field(None, description="python module that must import after")
-    optional: bool = False
-    """a failure warns instead of failing the build"""
-    description: str = ""
-    """a sentence for humans"""
+    optional: bool = Field(False, description="a failure warns instead of failing the build")
+    description: str = Field("", description="a sentence for humans")
 
 
 class Build(Strict):
-    python: str = "python3.11"
-    """the interpreter the extensions are built with and bind to"""
-    steps: list[BuildStep] = Field(min_length=1)
-    """build steps, in order"""
+    python: str = Field(
+        "python3.11", description="the interpreter the extensions are built with and bind to"
+    )
+    steps: list[BuildStep] = Field(min_length=1, description="build steps, in order")
 
     @model_validator(mode="after")
     def _unique(self) -> Build:
@@ -220,25 +209,24 @@ class Build(Strict):
 
 
 class WeightSet(Strict):
-    hub: Literal["huggingface", "modelscope"]
-    """where the weights are published"""
-    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
-    """`owner/name` on that hub"""
-    revision: str = "main"
-    """branch, tag or commit on the hub"""
-    allow_patterns: list[str] = []
-    """glob patterns of the files to download (default all)"""
+    hub: Literal["huggingface", "modelscope"] = Field(description="where the weights are published")
+    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="`owner/name` on that hub")
+    revision: str = Field("main", description="branch, tag or commit on the hub")
+    allow_patterns: list[str] = Field(
+        [], description="glob patterns of the files to download (default all)"
+    )
     dir: RelPath = Field(description="download directory, relative to the workspace")
     expected_bytes: int = Field(gt=0, description="approximate total size, for disk planning")
-    role: str = ""
-    """what the set is used for, for humans"""
+    role: str = Field("", description="what the set is used for, for humans")
 
 
 class Weights(Strict):
-    w8a8: WeightSet
-    """the W8A8 checkpoint served on the NPU (attention, shared expert, router)"""
-    mxfp4: WeightSet
-    """the MXFP4 checkpoint whose routed experts are converted to GGUF for the CPU"""
+    w8a8: WeightSet = Field(
+        description="the W8A8 checkpoint served on the NPU (attention, shared expert, router)"
+    )
+    mxfp4: WeightSet = Field(
+        description="the MXFP4 checkpoint whose routed experts are converted to GGUF for the CPU"
+    )
 
     @model_validator(mode="after")
     def _sibling_dirs(self) -> Weights:
@@ -255,32 +243,31 @@ class Weights(Strict):
 
 
 class Conversion(Strict):
-    layers: int = Field(43, gt=0)
-    """number of MoE layers to convert (0..layers-1)"""
-    gguf_dir: RelPath = "gguf"
-    """output directory, relative to the workspace"""
-    file_template: str = "dsv4_layer{layer}_mxfp4.gguf"
-    """GGUF file name per layer; must contain `{layer}`"""
-    gguf_name_template: str = "dsv4-flash-layer{layer}-moe-mxfp4"
-    """`general.name` written into each GGUF; must contain `{layer}`"""
-    architecture: str = "deepseek2"
-    """`general.architecture` written into each GGUF"""
-    experts: int = Field(256, gt=0)
-    """routed experts per layer"""
-    experts_per_token: int = Field(6, gt=0)
-    """experts each token is routed to"""
-    hidden_size: int = Field(4096, gt=0)
-    """model hidden size"""
-    moe_intermediate_size: int = Field(2048, gt=0)
-    """intermediate size of one expert"""
-    alignment: int = Field(32, gt=0)
-    """GGUF tensor-data alignment in bytes"""
-    expected_file_bytes: int = Field(gt=0)
-    """exact size of one converted layer file"""
-    digests: dict[int, Sha256] = {}
-    """layer number -> sha256 of the converted file, checked by verify-gguf"""
-    digests_manifest: RemoteFile | None = None
-    """the delivery's `sha256sum`-format manifest of the converted files"""
+    layers: int = Field(43, gt=0, description="number of MoE layers to convert (0..layers-1)")
+    gguf_dir: RelPath = Field("gguf", description="output directory, relative to the workspace")
+    file_template: str = Field(
+        "dsv4_layer{layer}_mxfp4.gguf",
+        description="GGUF file name per layer; must contain `{layer}`"
+    )
+    gguf_name_template: str = Field(
+        "dsv4-flash-layer{layer}-moe-mxfp4",
+        description="`general.name` written into each GGUF; must contain `{layer}`"
+    )
+    architecture: str = Field(
+        "deepseek2", description="`general.architecture` written into each GGUF"
+    )
+    experts: int = Field(256, gt=0, description="routed experts per layer")
+    experts_per_token: int = Field(6, gt=0, description="experts each token is routed to")
+    hidden_size: int = Field(4096, gt=0, description="model hidden size")
+    moe_intermediate_size: int = Field(2048, gt=0, description="intermediate size of one expert")
+    alignment: int = Field(32, gt=0, description="GGUF tensor-data alignment in bytes")
+    expected_file_bytes: int = Field(gt=0, description="exact size of one converted layer file")
+    digests: dict[int, Sha256] = Field(
+        {}, description="layer number -> sha256 of the converted file, checked by verify-gguf"
+    )
+    digests_manifest: RemoteFile | None = Field(
+        None, description="the delivery's `sha256sum`-format manifest of the converted files"
+    )
 
     @field_validator("file_template", "gguf_name_template")
     @classmethod
@@ -315,22 +302,16 @@ class Serve(Strict):
     pass_flags: bool = Field(
         True, description="give `command` the derived sglang flags; false for other servers"
     )
-    python: str = "python3"
-    """interpreter that runs the server"""
-    host: str = "0.0.0.0"
-    """address the server listens on (`--host`)"""
-    port: int = Field(8020, gt=0, lt=65536)
-    """port the server listens on (`--port`)"""
-    device_type: str = "npu"
-    """sglang `--device`"""
-    attention_backend: str = "ascend"
-    """sglang `--attention-backend`"""
-    quantization: str = "compressed-tensors"
-    """sglang `--quantization` of the NPU weights"""
-    dtype: str = "bfloat16"
-    """sglang `--dtype`"""
-    kt_method: str = "LLAMAFILE"
-    """kt-kernel CPU expert kernel (`--kt-method`)"""
+    python: str = Field("python3", description="interpreter that runs the server")
+    host: str = Field("0.0.0.0", description="address the server listens on (`--host`)")
+    port: int = Field(8020, gt=0, lt=65536, description="port the server listens on (`--port`)")
+    device_type: str = Field("npu", description="sglang `--device`")
+    attention_backend: str = Field("ascend", description="sglang `--attention-backend`")
+    quantization: str = Field(
+        "compressed-tensors", description="sglang `--quantization` of the NPU weights"
+    )
+    dtype: str = Field("bfloat16", description="sglang `--dtype`")
+    kt_method: str = Field("LLAMAFILE", description="kt-kernel CPU expert kernel (`--kt-method`)")
     reserved_cores: int = Field(
         4, ge=0, description="cores kept free of CPU-infer threads (NPU callback, python, OS)"
     )
@@ -341,42 +322,51 @@ class Serve(Strict):
     health_paths: list[str] = Field(
         ["/health", "/health_generate"], description="readiness: each must answer 200, in order"
     )
-    page_size: int = Field(128, gt=0)
-    """KV-cache page size in tokens (`--page-size`)"""
-    mem_fraction_static: float = Field(0.81, gt=0, lt=1)
-    """fraction of HBM for weights and KV cache (`--mem-fraction-static`)"""
-    kt_num_gpu_experts: int = Field(32, ge=0)
-    """routed experts kept resident on the NPU (about 1 GB of HBM each)"""
-    gpu_experts_ladder: list[int] = [32, 24, 16]
-    """fewer resident experts to retry with when KV-cache setup fails"""
-    threads_per_numa: int = Field(16, gt=0)
-    """CPU-infer threads per NUMA node"""
-    chunked_prefill_size: int = Field(8192, gt=0)
-    """a positive multiple of `page_size`, at least `longest_prompt_tokens`"""
-    longest_prompt_tokens: int = Field(2577, gt=0)
-    """the longest prompt expected; one prefill chunk must cover it"""
-    context_length: int = Field(65536, gt=0)
-    """maximum context in tokens (`--context-length`)"""
-    max_prefill_tokens: int = Field(65535, gt=0)
-    """`--max-prefill-tokens`"""
-    watchdog_timeout: int = Field(18000, gt=0)
-    """seconds before sglang's watchdog kills a stuck step (`--watchdog-timeout`)"""
-    max_running_requests: int = Field(1, gt=0)
-    """concurrent requests (`--max-running-requests`)"""
-    extra_args: list[str] = []
-    """more server arguments, appended as given"""
-    env: dict[str, str] = {}
-    """environment set for the server"""
-    unset_env: list[str] = []
-    """variables removed from the server's environment"""
-    cann_set_env: list[str] = []
-    """CANN `set_env.sh` scripts whose environment is captured once and applied"""
-    nsa_compressor_mode: Literal["auto", "split", "single"] = "auto"
-    """`auto`: `split` on CANN 8.5, `single` on CANN >= 9"""
-    readiness_timeout_s: float = Field(900, gt=0)
-    """seconds to wait for the health paths to answer"""
-    stop_timeout_s: float = Field(30, gt=0)
-    """seconds between SIGTERM and SIGKILL on stop"""
+    page_size: int = Field(128, gt=0, description="KV-cache page size in tokens (`--page-size`)")
+    mem_fraction_static: float = Field(
+        0.81, gt=0, lt=1,
+        description="fraction of HBM for weights and KV cache (`--mem-fraction-static`)"
+    )
+    kt_num_gpu_experts: int = Field(
+        32, ge=0, description="routed experts kept resident on the NPU (about 1 GB of HBM each)"
+    )
+    gpu_experts_ladder: list[int] = Field(
+        [32, 24, 16], description="fewer resident experts to retry with when KV-cache setup fails"
+    )
+    threads_per_numa: int = Field(16, gt=0, description="CPU-infer threads per NUMA node")
+    chunked_prefill_size: int = Field(
+        8192, gt=0,
+        description="a positive multiple of `page_size`, at least `longest_prompt_tokens`"
+    )
+    longest_prompt_tokens: int = Field(
+        2577, gt=0, description="the longest prompt expected; one prefill chunk must cover it"
+    )
+    context_length: int = Field(
+        65536, gt=0, description="maximum context in tokens (`--context-length`)"
+    )
+    max_prefill_tokens: int = Field(65535, gt=0, description="`--max-prefill-tokens`")
+    watchdog_timeout: int = Field(
+        18000, gt=0,
+        description="seconds before sglang's watchdog kills a stuck step (`--watchdog-timeout`)"
+    )
+    max_running_requests: int = Field(
+        1, gt=0, description="concurrent requests (`--max-running-requests`)"
+    )
+    extra_args: list[str] = Field([], description="more server arguments, appended as given")
+    env: dict[str, str] = Field({}, description="environment set for the server")
+    unset_env: list[str] = Field([], description="variables removed from the server's environment")
+    cann_set_env: list[str] = Field(
+        [], description="CANN `set_env.sh` scripts whose environment is captured once and applied"
+    )
+    nsa_compressor_mode: Literal["auto", "split", "single"] = Field(
+        "auto", description="`auto`: `split` on CANN 8.5, `single` on CANN >= 9"
+    )
+    readiness_timeout_s: float = Field(
+        900, gt=0, description="seconds to wait for the health paths to answer"
+    )
+    stop_timeout_s: float = Field(
+        30, gt=0, description="seconds between SIGTERM and SIGKILL on stop"
+    )
 
     @model_validator(mode="after")
     def _prefill_rules(self) -> Serve:
@@ -398,62 +388,57 @@ class Serve(Strict):
 
 
 class Probe(Strict):
-    name: Name
-    """unique plain name"""
-    prompt: str = Field(min_length=1)
-    """the prompt sent"""
+    name: Name = Field(description="unique plain name")
+    prompt: str = Field(min_length=1, description="the prompt sent")
     expect_any: list[str] = Field(min_length=1, description="the answer must contain one")
-    max_new_tokens: int = Field(64, gt=0)
-    """tokens to generate"""
-    chat: bool = False
-    """send as a chat message instead of a raw completion"""
+    max_new_tokens: int = Field(64, gt=0, description="tokens to generate")
+    chat: bool = Field(False, description="send as a chat message instead of a raw completion")
 
 
 class Degeneration(Strict):
-    max_char_run: int = Field(12, gt=1)
-    """longest run of one repeated character allowed in an answer"""
-    max_token_run: int = Field(6, gt=1)
-    """longest run of one repeated token allowed"""
-    max_ngram_repeats: int = Field(4, gt=1)
-    """times one n-gram may repeat"""
-    ngram: int = Field(4, gt=1)
-    """n of those n-grams"""
+    max_char_run: int = Field(
+        12, gt=1, description="longest run of one repeated character allowed in an answer"
+    )
+    max_token_run: int = Field(6, gt=1, description="longest run of one repeated token allowed")
+    max_ngram_repeats: int = Field(4, gt=1, description="times one n-gram may repeat")
+    ngram: int = Field(4, gt=1, description="n of those n-grams")
 
 
 class Throughput(Strict):
-    prompt_buckets: list[int] = [128, 1024, 4096]
-    """prompt lengths in tokens to measure decode speed at"""
-    new_tokens: int = Field(128, gt=0)
-    """tokens generated per measurement"""
-    repeats: int = Field(3, gt=0)
-    """measurements per bucket (the median counts)"""
-    warmup: int = Field(1, ge=0)
-    """unmeasured requests first"""
-    reference_tok_s: float = Field(gt=0)
-    """the delivery's decode speed, tokens/s"""
-    reference_range: tuple[float, float]
-    """[low, high] tokens/s accepted"""
+    prompt_buckets: list[int] = Field(
+        [128, 1024, 4096], description="prompt lengths in tokens to measure decode speed at"
+    )
+    new_tokens: int = Field(128, gt=0, description="tokens generated per measurement")
+    repeats: int = Field(3, gt=0, description="measurements per bucket (the median counts)")
+    warmup: int = Field(1, ge=0, description="unmeasured requests first")
+    reference_tok_s: float = Field(gt=0, description="the delivery's decode speed, tokens/s")
+    reference_range: tuple[float, float] = Field(description="[low, high] tokens/s accepted")
 
 
 class Acceptance(Strict):
-    api: Literal["native", "openai"] = "native"
-    """`native` sglang `/generate` or `openai` `/v1/completions`"""
-    request_timeout_s: float = Field(300, gt=0)
-    """seconds per request"""
-    probes: list[Probe] = Field(min_length=1)
-    """prompts whose answers must contain an expected string"""
-    determinism_probe: Name
-    """the probe sent twice at temperature 0; both answers must match"""
-    degeneration: Degeneration = Degeneration()
-    """thresholds that flag repetitive output"""
-    log_markers_required: list[str] = []
-    """regular expressions the server log must match"""
-    log_markers_forbidden: list[str] = []
-    """regular expressions the server log must not match"""
-    throughput: Throughput
-    """decode-speed measurement and its reference"""
-    gpqa_reference_pct: float | None = None
-    """the delivery's GPQA score, for comparison"""
+    api: Literal["native", "openai"] = Field(
+        "native", description="`native` sglang `/generate` or `openai` `/v1/completions`"
+    )
+    request_timeout_s: float = Field(300, gt=0, description="seconds per request")
+    probes: list[Probe] = Field(
+        min_length=1, description="prompts whose answers must contain an expected string"
+    )
+    determinism_probe: Name = Field(
+        description="the probe sent twice at temperature 0; both answers must match"
+    )
+    degeneration: Degeneration = Field(
+        Degeneration(), description="thresholds that flag repetitive output"
+    )
+    log_markers_required: list[str] = Field(
+        [], description="regular expressions the server log must match"
+    )
+    log_markers_forbidden: list[str] = Field(
+        [], description="regular expressions the server log must not match"
+    )
+    throughput: Throughput = Field(description="decode-speed measurement and its reference")
+    gpqa_reference_pct: float | None = Field(
+        None, description="the delivery's GPQA score, for comparison"
+    )
 
     @model_validator(mode="after")
     def _refs(self) -> Acceptance:
@@ -467,81 +452,67 @@ class Acceptance(Strict):
 
 
 class Host(Strict):
-    arch: str = "aarch64"
-    """CPU architecture (`uname -m`)"""
-    cpu_flags_required: list[str] = ["asimd", "asimddp"]
-    """CPU flags that must be present (/proc/cpuinfo)"""
-    cpu_flags_build_off: list[str] = ["sve", "bf16", "i8mm"]
-    """flags the builds must keep off even when the CPU has them"""
-    min_cores: int = Field(32, gt=0)
-    """minimum CPU cores"""
-    memory_min_gib: float = Field(160, gt=0)
-    """RAM below which doctor fails"""
-    memory_recommended_gib: float = Field(256, gt=0)
-    """RAM below which doctor warns"""
-    disk_min_gib: float = Field(415, gt=0)
-    """free disk in the workspace below which doctor fails"""
-    disk_recommended_gib: float = Field(600, gt=0)
-    """free disk below which doctor warns"""
-    npu_models: list[str] = Field(min_length=1)
-    """accepted NPU model names (npu-smi)"""
-    hbm_min_gib: float = Field(32, gt=0)
-    """minimum HBM per NPU"""
-    npu_device_nodes: list[str] = []
-    """device files that must exist (e.g. /dev/davinci0)"""
-    cann_min_version: str = "8.5.0"
-    """minimum CANN toolkit version"""
-    python: str = "3.11"
-    """required Python version (major.minor)"""
+    arch: str = Field("aarch64", description="CPU architecture (`uname -m`)")
+    cpu_flags_required: list[str] = Field(
+        ["asimd", "asimddp"], description="CPU flags that must be present (/proc/cpuinfo)"
+    )
+    cpu_flags_build_off: list[str] = Field(
+        ["sve", "bf16", "i8mm"],
+        description="flags the builds must keep off even when the CPU has them"
+    )
+    min_cores: int = Field(32, gt=0, description="minimum CPU cores")
+    memory_min_gib: float = Field(160, gt=0, description="RAM below which doctor fails")
+    memory_recommended_gib: float = Field(256, gt=0, description="RAM below which doctor warns")
+    disk_min_gib: float = Field(
+        415, gt=0, description="free disk in the workspace below which doctor fails"
+    )
+    disk_recommended_gib: float = Field(600, gt=0, description="free disk below which doctor warns")
+    npu_models: list[str] = Field(min_length=1, description="accepted NPU model names (npu-smi)")
+    hbm_min_gib: float = Field(32, gt=0, description="minimum HBM per NPU")
+    npu_device_nodes: list[str] = Field(
+        [], description="device files that must exist (e.g. /dev/davinci0)"
+    )
+    cann_min_version: str = Field("8.5.0", description="minimum CANN toolkit version")
+    python: str = Field("3.11", description="required Python version (major.minor)")
     tools: dict[str, str] = Field({}, description="tool -> minimum version")
-    libraries: list[str] = ["hwloc", "numa"]
-    """development libraries the builds need (headers or .so)"""
-    docker: Literal["required", "recommended", "unused"] = "recommended"
-    """whether a container runtime is needed"""
+    libraries: list[str] = Field(
+        ["hwloc", "numa"], description="development libraries the builds need (headers or .so)"
+    )
+    docker: Literal["required", "recommended", "unused"] = Field(
+        "recommended", description="whether a container runtime is needed"
+    )
 
 
 # --- recipe --------------------------------------------------------------------------------
 
 
 class Platform(Strict):
-    npu: str
-    """NPU family (910B, A3)"""
-    cann: str
-    """CANN version the recipe was made for"""
-    image: str | None = None
-    """container image of the delivery, if any"""
-    cc: str | None = None
-    """C compiler for the builds (default gcc)"""
-    cxx: str | None = None
-    """C++ compiler for the builds (default g++)"""
+    npu: str = Field(description="NPU family (910B, A3)")
+    cann: str = Field(description="CANN version the recipe was made for")
+    image: str | None = Field(None, description="container image of the delivery, if any")
+    cc: str | None = Field(None, description="C compiler for the builds (default gcc)")
+    cxx: str | None = Field(None, description="C++ compiler for the builds (default g++)")
 
 
 class Recipe(Strict):
-    schema_version: Literal[1] = Field(1, alias="schema")
-    """always `1`"""
-    name: Name
-    """plain name (letters, digits, `.`, `_`, `-`)"""
-    description: str = ""
-    """a sentence"""
-    platform: Platform
-    """the NPU, CANN version and toolchain"""
+    schema_version: Literal[1] = Field(1, alias="schema", description="always `1`")
+    name: Name = Field(description="plain name (letters, digits, `.`, `_`, `-`)")
+    description: str = Field("", description="a sentence")
+    platform: Platform = Field(description="the NPU, CANN version and toolchain")
     series: str = Field(description="bundled series name or a path relative to the recipe")
     delivery: Name = Field(description="the source that holds the series and scripts")
     tree_root: Name = Field(description="the source whose checkout is the workspace tree")
-    sources: list[Source] = Field(min_length=1)
-    """git repositories pinned at full commits"""
-    build: Build
-    """what `build` compiles"""
-    weights: Weights
-    """the two weight sets `download` fetches"""
-    conversion: Conversion
-    """GGUF conversion of the routed experts"""
-    serve: Serve
-    """server flags, environment and the rules that derive values from the host"""
-    acceptance: Acceptance
-    """what `accept` checks"""
-    host: Host
-    """what `doctor` requires of the host"""
+    sources: list[Source] = Field(
+        min_length=1, description="git repositories pinned at full commits"
+    )
+    build: Build = Field(description="what `build` compiles")
+    weights: Weights = Field(description="the two weight sets `download` fetches")
+    conversion: Conversion = Field(description="GGUF conversion of the routed experts")
+    serve: Serve = Field(
+        description="server flags, environment and the rules that derive values from the host"
+    )
+    acceptance: Acceptance = Field(description="what `accept` checks")
+    host: Host = Field(description="what `doctor` requires of the host")
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:

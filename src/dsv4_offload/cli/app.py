@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import typer
 
@@ -87,11 +88,8 @@ def _register_areas() -> None:
 _register_areas()
 
 
-def _command_name(args: list[str]) -> str:
+def _command_name(args: list[str], group: Any) -> str:
     """The subcommand words in argv (for error documents), skipping option values."""
-    import typer.main
-
-    group = typer.main.get_command(app)
     words: list[str] = []
     for arg in args:
         commands = getattr(group, "commands", None)
@@ -140,11 +138,14 @@ def main(argv: list[str] | None = None) -> None:
     import typer.main
 
     args = sys.argv[1:] if argv is None else argv
-    hoisted, found = hoist_globals(typer.main.get_command(app), args)
+    # built once: typer rebuilds the click tree (every signature) on each call
+    click_app = typer.main.get_command(app)
+    hoisted, found = hoist_globals(click_app, args)
     as_json = "--json" in found
-    command = _command_name(hoisted)
+    command = _command_name(hoisted, click_app)
     try:
-        rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
+        # what app(...) does, without rebuilding the tree (pretty exceptions are off)
+        rv = click_app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
