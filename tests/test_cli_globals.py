@@ -137,8 +137,9 @@ def _toy() -> Any:
 
     @toy.command("run")
     def run(ctx: typer.Context, force: list[str] = typer.Option([], "--force"),
-            nums: int = typer.Option(0, "-n")) -> None:
-        print(json.dumps({**ctx.find_root().obj, "force": force, "n": nums}))
+            nums: int = typer.Option(0, "-n"),
+            pair: tuple[str, str] = typer.Option(("", ""), "--pair")) -> None:
+        print(json.dumps({**ctx.find_root().obj, "force": force, "n": nums, "pair": pair}))
 
     @toy.command("exec", context_settings={"allow_interspersed_args": False,
                                            "ignore_unknown_options": True})
@@ -168,6 +169,7 @@ def _toy() -> Any:
     # an option's value is never taken for a global, even when it looks like one
     (["run", "--force", "--json", "-n", "3", "-q"], {"force": ["--json"], "n": 3, "q": True}),
     (["run", "--set", "--json"], {"set": ["--json"], "json": False}),
+    (["run", "--pair", "--json", "-q", "-v"], {"pair": ["--json", "-q"], "v": True, "q": False}),
     (["serve", "status", "--json", "-w", "W"], {"json": True, "w": "W"}),
     (["serve", "--detach", "status", "-q"], {"q": True}),
     # after `--`, or once a pass-through command has its program, the rest is the program's

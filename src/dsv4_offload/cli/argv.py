@@ -18,15 +18,15 @@ from typing import Any
 from typer.core import TyperGroup
 
 
-def _options(cmd: Any) -> dict[str, bool]:
-    """A command's option names, each with whether it takes a value."""
-    out: dict[str, bool] = {}
+def _options(cmd: Any) -> dict[str, int]:
+    """A command's option names, each with the number of values it takes (0 for a flag)."""
+    out: dict[str, int] = {}
     for param in getattr(cmd, "params", []):
         if getattr(param, "param_type_name", "") != "option":
             continue
-        takes = not (getattr(param, "is_flag", False) or getattr(param, "count", False))
+        flag = getattr(param, "is_flag", False) or getattr(param, "count", False)
         for name in [*param.opts, *param.secondary_opts]:
-            out[name] = takes and param.nargs != 0
+            out[name] = 0 if flag else max(int(param.nargs), 0)
     return out
 
 
@@ -73,9 +73,10 @@ def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
             name, attached = _split_token(token)
             own = name in opts
             words = [token]
-            if own and opts[name] and not attached and i < len(args):
-                words.append(args[i])  # the option's value, whatever it looks like
-                i += 1
+            if own and opts[name] and not attached:
+                # the option's values, whatever they look like
+                words += args[i:i + opts[name]]
+                i += opts[name]
             if cmd is root or own:
                 # an option of the command it follows (a subcommand's own keeps its meaning)
                 kept.extend(words)
@@ -83,9 +84,9 @@ def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
                     found.extend(words)
                 continue
             if name in global_names:
-                if root_opts[name] and not attached and i < len(args):
-                    words.append(args[i])
-                    i += 1
+                if root_opts[name] and not attached:
+                    words += args[i:i + root_opts[name]]
+                    i += root_opts[name]
                 moved.extend(words)
                 found.extend(words)
                 continue
