@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,18 @@ def _required_args(cmd: Any) -> list[str]:
     return ["x" for p in cmd.params if p.param_type_name == "argument" and p.required]
 
 
+@pytest.fixture
+def no_daemons(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Container runtimes on PATH answer 'unavailable': no command here may start or pull one."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    for name in ("docker", "podman"):
+        tool = fake_bin / name
+        tool.write_text("#!/bin/sh\necho 'no container runtime in this test' >&2\nexit 1\n")
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}:{os.environ.get('PATH', '')}")
+
+
 def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
     with pytest.raises(SystemExit) as done:
         main(argv)
@@ -68,7 +81,7 @@ def test_no_command_redefines_a_global_option() -> None:
 @pytest.mark.parametrize(("path", "cmd"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
 def test_every_command_takes_the_globals_before_and_after(
     path: tuple[str, ...], cmd: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], no_daemons: None,
 ) -> None:
     """Same exit code, stdout and stderr either way; --json gives one document; -w/-r apply."""
     monkeypatch.chdir(tmp_path)
@@ -103,7 +116,7 @@ def _stable(value: Any, ws: Path) -> Any:
 @pytest.mark.parametrize(("path", "cmd"), COMMANDS, ids=[" ".join(p) for p, _ in COMMANDS])
 def test_every_command_does_the_same_work_with_the_globals_after(
     path: tuple[str, ...], cmd: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str], fake_stages_env: dict[str, str],
+    capsys: pytest.CaptureFixture[str], fake_stages_env: dict[str, str], no_daemons: None,
 ) -> None:
     """With the bundled recipe, instrumented stages and no network: the same document."""
     monkeypatch.chdir(tmp_path)
