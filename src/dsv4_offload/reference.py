@@ -112,14 +112,32 @@ def _type(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+_BOUNDS = (("gt", ">"), ("ge", ">="), ("lt", "<"), ("le", "<="))
+
+
+def _constraints(info: Any) -> list[str]:
+    """Field(gt=..., min_length=..., pattern=...) as words."""
+    out = []
+    for meta in info.metadata:
+        for attr, sign in _BOUNDS:
+            if getattr(meta, attr, None) is not None:
+                out.append(f"{sign} {getattr(meta, attr)}")
+        if getattr(meta, "min_length", None):
+            out.append(f"at least {meta.min_length}")
+        if getattr(meta, "pattern", None):
+            out.append(f"matches `{meta.pattern}`")
+    return out
+
+
 def _field_type(info: Any) -> str:
     # pydantic moves a field's own Annotated[...] metadata out of its annotation
+    text = _type(info.annotation)
     for meta in info.metadata:
         name = getattr(getattr(meta, "func", None), "__name__", "")
         if name in _NAMED_STR:
-            base = _type(info.annotation)
-            return _NAMED_STR[name] + (" or null" if base.endswith(" or null") else "")
-    return _type(info.annotation)
+            text = _NAMED_STR[name] + (" or null" if text.endswith(" or null") else "")
+    more = _constraints(info)
+    return f"{text}, {', '.join(more)}" if more else text
 
 
 def _default(info: Any) -> str:
