@@ -173,10 +173,10 @@ def test_set_override_changes_the_recipe_and_is_validated(cli) -> None:
 
 
 def test_overrides_do_not_touch_the_original_document() -> None:
-    doc = {"serve": {"port": 1, "ladder": [1, 2]}}
-    out = apply_overrides(doc, ["serve.ladder.1=5", "serve.port=[3]"], "x")
-    assert out == {"serve": {"port": [3], "ladder": [1, 5]}}
-    assert doc == {"serve": {"port": 1, "ladder": [1, 2]}}
+    doc = {"serve": {"port": 1, "gpu_experts_ladder": [1, 2]}}
+    out = apply_overrides(doc, ["serve.gpu_experts_ladder.1=5", "serve.port=[3]"], "x")
+    assert out == {"serve": {"port": [3], "gpu_experts_ladder": [1, 5]}}
+    assert doc == {"serve": {"port": 1, "gpu_experts_ladder": [1, 2]}}
 
 
 def test_recipe_list_and_unknown_recipe(cli) -> None:

@@ -108,10 +108,15 @@ class Source(Strict):
     ``branch``: ``fetch`` resolves it once on that branch and locks the full SHA.
     """
 
-    name: Name
-    url: GitUrl
-    mirrors: list[GitUrl] = []
-    commit: Commit | None = None
+    name: Name = Field(description="unique plain name; patches name it as their `target`")
+    url: GitUrl = Field(description="git URL of the upstream repository")
+    mirrors: list[GitUrl] = Field(
+        [],
+        description="more git URLs, tried in order after any `--mirror NAME=URL`")
+    commit: Commit | None = Field(
+        None,
+        description="the full 40-hex commit; a tag or short SHA is refused (`b3173` is "
+        "both); leave it out only for a `commit_prefix` pin")
     commit_prefix: CommitPrefix | None = Field(
         None, description="an abbreviated SHA, resolved once on 'branch' and then locked")
     branch: str | None = Field(None, description="the branch a commit_prefix is resolved on")
@@ -120,8 +125,8 @@ class Source(Strict):
     submodule_of: Name | None = Field(
         None, description="taken as this source's submodule, at the commit above"
     )
-    patched: bool = True
-    license: str | None = None
+    patched: bool = Field(True, description="whether the series may target it")
+    license: str | None = Field(None, description="its license, for provenance")
 
     @model_validator(mode="after")
     def _one_pin(self) -> Source:
@@ -158,9 +163,9 @@ class Source(Strict):
 class RemoteFile(Strict):
     """A file inside a pinned source (e.g. the delivery), checked by sha256."""
 
-    source: Name
-    path: RelPath
-    sha256: Sha256
+    source: Name = Field(description="the source that holds the file")
+    path: RelPath = Field(description="path inside that source's checkout")
+    sha256: Sha256 = Field(description="sha256 of the file, checked before use")
 
 
 # --- series --------------------------------------------------------------------------------
@@ -169,8 +174,10 @@ class RemoteFile(Strict):
 class PatchOrigin(Strict):
     """Where a patch comes from: a path inside a pinned source, or a file in this repo."""
 
-    source: Name | None = None
-    path: RelPath | None = None
+    source: Name | None = Field(
+        None, description="a pinned source that holds the patch (with `path`)"
+    )
+    path: RelPath | None = Field(None, description="the patch's path inside that source")
     file: RelPath | None = Field(None, description="path relative to the series file")
 
     @model_validator(mode="after")
@@ -183,23 +190,31 @@ class PatchOrigin(Strict):
 
 
 class PatchEntry(Strict):
-    name: Name
-    target: Name
-    origin: PatchOrigin
-    sha256: Sha256
-    strip: int = Field(1, ge=0, le=5)
+    name: Name = Field(description="unique plain name of the patch")
+    target: Name = Field(description="the source the patch applies to")
+    origin: PatchOrigin = Field(
+        description="where the patch comes from: `{source, path}` or `{file}`")
+    sha256: Sha256 = Field(
+        description="sha256 of the patch file, checked before any repository is touched")
+    strip: int = Field(1, ge=0, le=5, description="leading path components to strip (`patch -p`)")
     # unidiff-zero: a diff of pure additions without context lines (`@@ -N,0 +M,K @@`), our
     # own patches' form, so they hold only lines we wrote; `git apply --unidiff-zero`
-    method: Literal["plain", "mbox", "unidiff-zero"]
-    upstream: Literal["not-submitted", "submitted", "merged", "local"] = "not-submitted"
-    description: str = Field(min_length=1)
+    method: Literal["plain", "mbox", "unidiff-zero"] = Field(
+        description="`plain` diff, `mbox` (applied with `git am`), or `unidiff-zero`: "
+        "this project's own zero-context diff of pure additions (`git apply --unidiff-zero`)")
+    upstream: Literal["not-submitted", "submitted", "merged", "local"] = Field(
+        "not-submitted",
+        description="its state upstream")
+    description: str = Field(min_length=1, description="one line saying what it changes")
 
 
 class Series(Strict):
-    schema_version: Literal[1] = Field(1, alias="schema")
-    name: Name
-    description: str = ""
-    patches: list[PatchEntry] = Field(min_length=1)
+    schema_version: Literal[1] = Field(1, alias="schema", description="always `1`")
+    name: Name = Field(description="plain name of the series")
+    description: str = Field("", description="a sentence")
+    patches: list[PatchEntry] = Field(
+        min_length=1, description="the patches, in the order they apply"
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> Series:
@@ -216,13 +231,13 @@ class Series(Strict):
 class StepCheck(Strict):
     """A command that must succeed before or after a step; a failure names it and its fix."""
 
-    name: Name
+    name: Name = Field(description="named in the log and in a failure")
     run: list[str] = Field(min_length=1, description="argv; placeholders as in command")
-    when: Literal["before", "after"] = "before"
+    when: Literal["before", "after"] = Field("before", description="before or after the command")
     cwd: Literal["workdir", "neutral"] = Field(
         "workdir", description="'neutral': an empty directory and no PYTHONPATH, so no source "
         "tree shadows an installed package")
-    fix: str = Field(min_length=1)
+    fix: str = Field(min_length=1, description="what to do when it fails")
     why: str = Field("", description="where the upstream says so (file:line)")
 
 
@@ -231,23 +246,23 @@ class FileEdit(Strict):
 
     file: RelPath = Field(description="relative to the step's workdir")
     line: str = Field(min_length=1, description="regular expression of the line to extend")
-    append: str = Field(min_length=1)
+    append: str = Field(min_length=1, description="text added at the end of that line")
     unless: str = Field(min_length=1, description="already applied when the file contains it")
-    why: str = ""
+    why: str = Field("", description="where the upstream applies it (file:line)")
 
 
 class RunPackage(Strict):
     """A CANN ``.run`` package the step's command produced, installed after it."""
 
     glob: str = Field(min_length=1, description="relative to the workdir; the first match")
-    args: list[str] = []
+    args: list[str] = Field([], description="arguments of the .run package")
 
 
 class BuildStep(Strict):
-    name: Name
+    name: Name = Field(description="unique plain name (`dsv4-offload build NAME`)")
     workdir: RelPath | None = Field(None, description="relative to the workspace (default: it)")
     command: list[str] = Field([], description="argv; empty for a step of checks only")
-    env: dict[str, str] = {}
+    env: dict[str, str] = Field({}, description="environment added for the step")
     expect_markers: list[str] = Field([], description="log lines that must appear")
     forbid_markers: list[str] = Field([], description="log lines that must not appear")
     log_sources: list[Name] | None = Field(
@@ -255,21 +270,24 @@ class BuildStep(Strict):
         "default: the source holding workdir and those nested in it; [] = the command itself "
         "(pip, cmake) prints them: not audited")
     check_import: str | None = Field(None, description="python module that must import after")
-    optional: bool = False
-    description: str = ""
+    optional: bool = Field(False, description="a failure warns instead of failing the build")
+    description: str = Field("", description="a sentence for humans")
     umask: str | None = Field(None, pattern=r"^0?[0-7]{3}$",
                               description="the umask the command runs with, e.g. 0022")
     chmod_go_w: bool = Field(False, description="`chmod -R go-w` the workdir first, checked")
     source_env: list[str] = Field(
         [], description="scripts sourced (nounset off) before the command and the checks")
-    edits: list[FileEdit] = []
+    edits: list[FileEdit] = Field(
+        [], description="workaround edits of fetched files, applied (once) before the command")
     remove_first: list[RelPath] = Field(
         [], description="leftovers of an earlier build removed before the command (relative "
         "to the workdir; their parent made writable first, as read-only installs leave it)")
-    install_run: RunPackage | None = None
+    install_run: RunPackage | None = Field(
+        None, description="a CANN .run package the command produced, installed after it")
     require_installed: list[str] = Field(
         [], description="distributions whose installed version must match build.constraints")
-    checks: list[StepCheck] = []
+    checks: list[StepCheck] = Field(
+        [], description="commands that must succeed before or after the step")
 
     @model_validator(mode="after")
     def _something_to_do(self) -> BuildStep:
@@ -281,14 +299,16 @@ class BuildStep(Strict):
 
 
 class Build(Strict):
-    python: str = "python3.11"
+    python: str = Field(
+        "python3.11",
+        description="the interpreter the extensions are built with and bind to")
     vars: dict[Name, str] = Field(
         {}, description="{name} placeholders of steps; ~ and $VAR are expanded")
     files: dict[Name, RemoteFile] = Field(
         {}, description="files of pinned sources, checked by sha256 before any step: {file:NAME}")
     constraints: Name | None = Field(
         None, description="a build.files entry passed as pip constraints to every step")
-    steps: list[BuildStep] = Field(min_length=1)
+    steps: list[BuildStep] = Field(min_length=1, description="build steps, in order")
 
     @model_validator(mode="after")
     def _unique(self) -> Build:
@@ -302,18 +322,24 @@ class Build(Strict):
 
 
 class WeightSet(Strict):
-    hub: Literal["huggingface", "modelscope"]
-    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$")
-    revision: str = "main"
-    allow_patterns: list[str] = []
+    hub: Literal["huggingface", "modelscope"] = Field(description="where the weights are published")
+    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="`owner/name` on that hub")
+    revision: str = Field("main", description="branch, tag or commit on the hub")
+    allow_patterns: list[str] = Field(
+        [], description="glob patterns of the files to download (default all)"
+    )
     dir: RelPath = Field(description="download directory, relative to the workspace")
     expected_bytes: int = Field(gt=0, description="approximate total size, for disk planning")
-    role: str = ""
+    role: str = Field("", description="what the set is used for, for humans")
 
 
 class Weights(Strict):
-    w8a8: WeightSet
-    mxfp4: WeightSet
+    w8a8: WeightSet = Field(
+        description="the W8A8 checkpoint served on the NPU (attention, shared expert, router)"
+    )
+    mxfp4: WeightSet = Field(
+        description="the MXFP4 checkpoint whose routed experts are converted to GGUF for the CPU"
+    )
 
     @model_validator(mode="after")
     def _sibling_dirs(self) -> Weights:
@@ -330,19 +356,31 @@ class Weights(Strict):
 
 
 class Conversion(Strict):
-    layers: int = Field(43, gt=0)
-    gguf_dir: RelPath = "gguf"
-    file_template: str = "dsv4_layer{layer}_mxfp4.gguf"
-    gguf_name_template: str = "dsv4-flash-layer{layer}-moe-mxfp4"
-    architecture: str = "deepseek2"
-    experts: int = Field(256, gt=0)
-    experts_per_token: int = Field(6, gt=0)
-    hidden_size: int = Field(4096, gt=0)
-    moe_intermediate_size: int = Field(2048, gt=0)
-    alignment: int = Field(32, gt=0)
-    expected_file_bytes: int = Field(gt=0)
-    digests: dict[int, Sha256] = {}
-    digests_manifest: RemoteFile | None = None
+    layers: int = Field(43, gt=0, description="number of MoE layers to convert (0..layers-1)")
+    gguf_dir: RelPath = Field("gguf", description="output directory, relative to the workspace")
+    file_template: str = Field(
+        "dsv4_layer{layer}_mxfp4.gguf",
+        description="GGUF file name per layer; must contain `{layer}`"
+    )
+    gguf_name_template: str = Field(
+        "dsv4-flash-layer{layer}-moe-mxfp4",
+        description="`general.name` written into each GGUF; must contain `{layer}`"
+    )
+    architecture: str = Field(
+        "deepseek2", description="`general.architecture` written into each GGUF"
+    )
+    experts: int = Field(256, gt=0, description="routed experts per layer")
+    experts_per_token: int = Field(6, gt=0, description="experts each token is routed to")
+    hidden_size: int = Field(4096, gt=0, description="model hidden size")
+    moe_intermediate_size: int = Field(2048, gt=0, description="intermediate size of one expert")
+    alignment: int = Field(32, gt=0, description="GGUF tensor-data alignment in bytes")
+    expected_file_bytes: int = Field(gt=0, description="exact size of one converted layer file")
+    digests: dict[int, Sha256] = Field(
+        {}, description="layer number -> sha256 of the converted file, checked by verify-gguf"
+    )
+    digests_manifest: RemoteFile | None = Field(
+        None, description="the delivery's `sha256sum`-format manifest of the converted files"
+    )
 
     @field_validator("file_template", "gguf_name_template")
     @classmethod
@@ -377,17 +415,19 @@ class Serve(Strict):
     pass_flags: bool = Field(
         True, description="give `command` the derived sglang flags; false for other servers"
     )
-    python: str = "python3"
-    host: str = "0.0.0.0"
+    python: str = Field("python3", description="interpreter that runs the server")
+    host: str = Field("0.0.0.0", description="address the server listens on (`--host`)")
     api_key_file: str | None = Field(
         None, description="file holding sglang's --api-key (the key itself is never stored); "
         "--api-key-file overrides it")
-    port: int = Field(8020, gt=0, lt=65536)
-    device_type: str = "npu"
-    attention_backend: str = "ascend"
-    quantization: str = "compressed-tensors"
-    dtype: str = "bfloat16"
-    kt_method: str = "LLAMAFILE"
+    port: int = Field(8020, gt=0, lt=65536, description="port the server listens on (`--port`)")
+    device_type: str = Field("npu", description="sglang `--device`")
+    attention_backend: str = Field("ascend", description="sglang `--attention-backend`")
+    quantization: str = Field(
+        "compressed-tensors",
+        description="sglang `--quantization` of the NPU weights")
+    dtype: str = Field("bfloat16", description="sglang `--dtype`")
+    kt_method: str = Field("LLAMAFILE", description="kt-kernel CPU expert kernel (`--kt-method`)")
     reserved_cores: int = Field(
         4, ge=0, description="cores kept free of CPU-infer threads (NPU callback, python, OS)"
     )
@@ -398,34 +438,58 @@ class Serve(Strict):
     health_paths: list[str] = Field(
         ["/health", "/health_generate"], description="readiness: each must answer 200, in order"
     )
-    page_size: int = Field(128, gt=0)
-    mem_fraction_static: float = Field(0.81, gt=0, lt=1)
+    page_size: int = Field(128, gt=0, description="KV-cache page size in tokens (`--page-size`)")
+    mem_fraction_static: float = Field(
+        0.81, gt=0, lt=1,
+        description="fraction of HBM for weights and KV cache (`--mem-fraction-static`)")
     mem_fraction_floor: float = Field(
         0.81, gt=0, lt=1, description="lowest usable fraction: below it the KV pool holds less "
         "than the context length (guide appendix G.1)")
     mem_fraction_ladder: list[float] = Field(
         [0.85, 0.83, 0.82, 0.81], description="fractions an HBM retry steps down through, to the "
         "floor, before it lowers the resident experts (guide appendix G.1)")
-    kt_num_gpu_experts: int = Field(32, ge=0)
+    kt_num_gpu_experts: int = Field(
+        32, ge=0,
+        description="routed experts kept resident on the NPU (about 1 GB of HBM each)")
     kt_num_gpu_experts_max: int = Field(
         40, ge=0, description="measured ceiling at context 65536 (launcher L299-300)")
-    gpu_experts_ladder: list[int] = [32, 24, 16]
+    gpu_experts_ladder: list[int] = Field(
+        [32, 24, 16],
+        description="fewer resident experts to retry with when KV-cache setup fails")
     cpuinfer_default: int = Field(
         32, gt=0, description="CPU-infer threads on a single-NUMA host (launcher L126)")
-    threads_per_numa: int = Field(16, gt=0)
-    chunked_prefill_size: int = Field(8192, gt=0)
-    longest_prompt_tokens: int = Field(2577, gt=0)
-    context_length: int = Field(65536, gt=0)
-    max_prefill_tokens: int = Field(65535, gt=0)
-    watchdog_timeout: int = Field(18000, gt=0)
-    max_running_requests: int = Field(1, gt=0)
-    extra_args: list[str] = []
-    env: dict[str, str] = {}
-    unset_env: list[str] = []
-    cann_set_env: list[str] = []
-    nsa_compressor_mode: Literal["auto", "split", "single"] = "auto"
-    readiness_timeout_s: float = Field(900, gt=0)
-    stop_timeout_s: float = Field(30, gt=0)
+    threads_per_numa: int = Field(16, gt=0, description="CPU-infer threads per NUMA node")
+    chunked_prefill_size: int = Field(
+        8192, gt=0,
+        description="a positive multiple of `page_size`, at least `longest_prompt_tokens`")
+    longest_prompt_tokens: int = Field(
+        2577, gt=0,
+        description="the longest prompt expected; one prefill chunk must cover it")
+    context_length: int = Field(
+        65536, gt=0,
+        description="maximum context in tokens (`--context-length`)")
+    max_prefill_tokens: int = Field(65535, gt=0, description="`--max-prefill-tokens`")
+    watchdog_timeout: int = Field(
+        18000, gt=0,
+        description="seconds before sglang's watchdog kills a stuck step (`--watchdog-timeout`)")
+    max_running_requests: int = Field(
+        1, gt=0,
+        description="concurrent requests (`--max-running-requests`)")
+    extra_args: list[str] = Field([], description="more server arguments, appended as given")
+    env: dict[str, str] = Field({}, description="environment set for the server")
+    unset_env: list[str] = Field([], description="variables removed from the server's environment")
+    cann_set_env: list[str] = Field(
+        [],
+        description="CANN `set_env.sh` scripts whose environment is captured once and applied")
+    nsa_compressor_mode: Literal["auto", "split", "single"] = Field(
+        "auto",
+        description="`auto`: `split` on CANN 8.5, `single` on CANN >= 9")
+    readiness_timeout_s: float = Field(
+        900, gt=0,
+        description="seconds to wait for the health paths to answer")
+    stop_timeout_s: float = Field(
+        30, gt=0,
+        description="seconds between SIGTERM and SIGKILL on stop")
 
     @model_validator(mode="after")
     def _prefill_rules(self) -> Serve:
@@ -453,17 +517,19 @@ class Serve(Strict):
 
 
 class Probe(Strict):
-    name: Name
-    prompt: str = Field(min_length=1)
+    name: Name = Field(description="unique plain name")
+    prompt: str = Field(min_length=1, description="the prompt sent")
     expect_any: list[str] = Field(min_length=1, description="the answer must contain one")
-    max_new_tokens: int = Field(64, gt=0)
-    chat: bool = False
+    max_new_tokens: int = Field(64, gt=0, description="tokens to generate")
+    chat: bool = Field(False, description="send as a chat message instead of a raw completion")
 
 
 class Degeneration(Strict):
     """The guide's "garbled, all repeated characters or NaN" (§8, G345) as thresholds."""
 
-    max_char_run: int = Field(12, gt=1)
+    max_char_run: int = Field(
+        12, gt=1,
+        description="longest run of one repeated character allowed in an answer")
     max_token_run: int = Field(6, gt=1, description="one token repeated more times fails")
     max_loop_repeats: float = Field(
         4, gt=1, description="a loop of 2 to min_sentence_period-1 tokens repeated more fails")
@@ -472,18 +538,20 @@ class Degeneration(Strict):
         "with a note (greedy decoding does this)")
     max_scripts: int = Field(3, gt=0, description="more writing systems mixed is token soup "
                              "(a Chinese answer may quote a Latin and a Cyrillic name)")
-    min_script_share: float = Field(0.05, gt=0, lt=1)
-    max_symbol_share: float = Field(0.3, gt=0, lt=1)
+    min_script_share: float = Field(
+        0.05, gt=0, lt=1, description="a writing system counts only above this share of letters")
+    max_symbol_share: float = Field(
+        0.3, gt=0, lt=1, description="more symbols than this share of the text is garbage")
 
 
 class LogMarker(Strict):
     """A server log line to look for; a plain string in the recipe is its pattern."""
 
     pattern: str = Field(min_length=1, description="a Python regular expression")
-    name: str = ""
+    name: str = Field("", description="a short name shown in the report")
     when_env: dict[str, str] = Field(
         {}, description="checked only when the server's environment has these values")
-    fix: str = ""
+    fix: str = Field("", description="what to do when the check fails")
 
     @model_validator(mode="before")
     @classmethod
@@ -507,25 +575,41 @@ class LogMarker(Strict):
 class Throughput(Strict):
     """decode_throughput_test.sh's method: buckets, warm-up per bucket, new tokens, repeats."""
 
-    prompt_buckets: list[int] = Field([130, 1000, 8000, 16000, 32000], min_length=1)
-    new_tokens: int = Field(1000, gt=0)
-    repeats: int = Field(3, gt=0)
+    prompt_buckets: list[int] = Field(
+        [130, 1000, 8000, 16000, 32000], min_length=1,
+        description="prompt lengths in tokens to measure decode speed at")
+    new_tokens: int = Field(1000, gt=0, description="tokens generated per measurement")
+    repeats: int = Field(3, gt=0, description="measurements per bucket (the median counts)")
     warmup: int = Field(1, ge=0, description="full generations discarded before each bucket")
     quick_new_tokens: int = Field(64, gt=0, description="accept --quick: tokens per request")
-    reference_tok_s: float = Field(gt=0)
-    reference_range: tuple[float, float]
+    reference_tok_s: float = Field(gt=0, description="the delivery's decode speed, tokens/s")
+    reference_range: tuple[float, float] = Field(description="[low, high] tokens/s accepted")
 
 
 class Acceptance(Strict):
-    api: Literal["native", "openai"] = "native"
-    request_timeout_s: float = Field(300, gt=0)
-    probes: list[Probe] = Field(min_length=1)
-    determinism_probe: Name
-    degeneration: Degeneration = Degeneration()
-    log_markers_required: list[LogMarker] = []
-    log_markers_forbidden: list[LogMarker] = []
-    throughput: Throughput
-    gpqa_reference_pct: float | None = None
+    api: Literal["native", "openai"] = Field(
+        "native",
+        description="`native` sglang `/generate` or `openai` `/v1/completions`")
+    request_timeout_s: float = Field(300, gt=0, description="seconds per request")
+    probes: list[Probe] = Field(
+        min_length=1,
+        description="prompts whose answers must contain an expected string")
+    determinism_probe: Name = Field(
+        description="the probe sent twice at temperature 0; both answers must match")
+    degeneration: Degeneration = Field(
+        Degeneration(),
+        description="thresholds that flag repetitive output")
+    log_markers_required: list[LogMarker] = Field(
+        [],
+        description="lines the server log must show, read after all of accept's traffic: a "
+        "regular expression, or {name, pattern, when_env, fix}")
+    log_markers_forbidden: list[LogMarker] = Field(
+        [],
+        description="lines the server log must never show (same forms as the required ones)")
+    throughput: Throughput = Field(description="decode-speed measurement and its reference")
+    gpqa_reference_pct: float | None = Field(
+        None,
+        description="the delivery's GPQA score, for comparison")
 
     @model_validator(mode="after")
     def _refs(self) -> Acceptance:
@@ -541,7 +625,7 @@ class Acceptance(Strict):
 class SelftestEmulator(Strict):
     """Run the self-test's child under a user-mode emulator (an aarch64 build on x86)."""
 
-    command: str = "qemu-aarch64"
+    command: str = Field("qemu-aarch64", description="the user-mode emulator")
     cpu: str = Field("cortex-a76", description="qemu -cpu model (cortex-a76: Kunpeng-920 class)")
     sysroot: RelPath = Field(description="the guest's root (qemu -L), relative to the workspace")
     python: RelPath = Field(description="the guest python, inside the sysroot")
@@ -553,19 +637,20 @@ class SelftestEmulator(Strict):
 class Selftest(Strict):
     """A tiny synthetic MXFP4 MoE layer through kt-kernel against a numpy reference."""
 
-    experts: int = Field(8, gt=0)
-    hidden: int = Field(256, gt=0)
-    intermediate: int = Field(256, gt=0)
-    top_k: int = Field(2, gt=0)
+    experts: int = Field(8, gt=0, description="routed experts of the synthetic layer")
+    hidden: int = Field(256, gt=0, description="hidden size")
+    intermediate: int = Field(256, gt=0, description="MoE intermediate size (a multiple of 256)")
+    top_k: int = Field(2, gt=0, description="experts per token")
     tokens: list[int] = Field([4, 16], min_length=1, description="one forward per entry")
-    min_cosine: float = Field(0.9995, gt=0, le=1)
+    min_cosine: float = Field(0.9995, gt=0, le=1, description="cosine against numpy, per run")
     max_rel_l2: float = Field(0.03, gt=0, description="activations go through Q8_0: ~1-1.5 %")
     timeout_s: float = Field(120, gt=0, description="per forward, import and load included")
-    threads: int = Field(1, gt=0)
-    seed: int = Field(0, ge=0)
+    threads: int = Field(1, gt=0, description="kt-kernel worker threads")
+    seed: int = Field(0, ge=0, description="seed of the synthetic weights and tokens")
     api: Literal["auto", "low-level", "wrapper"] = Field(
         "auto", description="auto: KTMoEWrapper where torch_npu imports, else the low-level API")
-    emulator: SelftestEmulator | None = None
+    emulator: SelftestEmulator | None = Field(
+        None, description="run the child under qemu (an aarch64 build on an x86 machine)")
     module_dir: RelPath | None = Field(
         None, description="where kt_kernel_ext*.so is, relative to the workspace (default: "
         "the kt-kernel build step's workdir + /python, where an in-place build puts it)")
@@ -588,26 +673,38 @@ class Selftest(Strict):
 
 
 class Host(Strict):
-    arch: str = "aarch64"
-    cpu_flags_required: list[str] = ["asimd", "asimddp"]
-    cpu_flags_build_off: list[str] = ["sve", "bf16", "i8mm"]
-    min_cores: int = Field(32, gt=0)
-    memory_min_gib: float = Field(160, gt=0)
-    memory_recommended_gib: float = Field(256, gt=0)
-    disk_min_gib: float = Field(415, gt=0)
-    disk_recommended_gib: float = Field(600, gt=0)
+    arch: str = Field("aarch64", description="CPU architecture (`uname -m`)")
+    cpu_flags_required: list[str] = Field(
+        ["asimd", "asimddp"],
+        description="CPU flags that must be present (/proc/cpuinfo)")
+    cpu_flags_build_off: list[str] = Field(
+        ["sve", "bf16", "i8mm"],
+        description="flags the builds must keep off even when the CPU has them")
+    min_cores: int = Field(32, gt=0, description="minimum CPU cores")
+    memory_min_gib: float = Field(160, gt=0, description="RAM below which doctor fails")
+    memory_recommended_gib: float = Field(256, gt=0, description="RAM below which doctor warns")
+    disk_min_gib: float = Field(
+        415, gt=0,
+        description="free disk in the workspace below which doctor fails")
+    disk_recommended_gib: float = Field(600, gt=0, description="free disk below which doctor warns")
     npu_models: list[str] = Field(
         description="NPU models the recipe serves on; [] for a recipe without an NPU (its "
         "doctor then checks no NPU, device node or CANN)")
-    hbm_min_gib: float = Field(32, gt=0)
-    npu_device_nodes: list[str] = []
-    cann_min_version: str = "8.5.0"
-    python: str = "3.11"
+    hbm_min_gib: float = Field(32, gt=0, description="minimum HBM per NPU")
+    npu_device_nodes: list[str] = Field(
+        [],
+        description="device files that must exist (e.g. /dev/davinci0)")
+    cann_min_version: str = Field("8.5.0", description="minimum CANN toolkit version")
+    python: str = Field("3.11", description="required Python version (major.minor)")
     tools: dict[str, str] = Field({}, description="tool -> minimum version")
-    libraries: list[str] = ["hwloc", "numa"]
+    libraries: list[str] = Field(
+        ["hwloc", "numa"],
+        description="development libraries the builds need (headers or .so)")
     pkg_config: list[str] = Field([], description="modules `pkg-config --exists` must find")
     python_modules: list[str] = Field([], description="modules the build python must import")
-    docker: Literal["required", "recommended", "unused"] = "recommended"
+    docker: Literal["required", "recommended", "unused"] = Field(
+        "recommended",
+        description="whether a container runtime is needed")
 
 
 # --- recipe --------------------------------------------------------------------------------
@@ -620,7 +717,8 @@ class Runtime(Strict):
     (cann-recipes-infer @ 1a7fbd3); each field names its line there.
     """
 
-    kind: Literal["host", "container"] = "host"
+    kind: Literal["host", "container"] = Field(
+        "host", description="container: those stages run in `image` (dsv4-offload container)")
     image: str | None = Field(None, description="launch script line 21 (IMAGE)")
     name: Name = Field("dsv4_singlecard", description="line 22 (NAME)")
     shm_size: str = Field("16g", pattern=r"^\d+[bkmg]?$", description="line 26 (SHM_SIZE)")
@@ -657,37 +755,42 @@ class Runtime(Strict):
 
 
 class Platform(Strict):
-    npu: str
-    cann: str
-    image: str | None = None
+    npu: str = Field(description="NPU family (910B, A3)")
+    cann: str = Field(description="CANN version the recipe was made for")
+    image: str | None = Field(None, description="container image of the delivery, if any")
     environment: str = Field("", description="the environment the guide brings up, in words")
-    cc: str | None = None
-    cxx: str | None = None
+    cc: str | None = Field(None, description="C compiler for the builds (default gcc)")
+    cxx: str | None = Field(None, description="C++ compiler for the builds (default g++)")
 
 
 class Recipe(Strict):
-    schema_version: Literal[1] = Field(1, alias="schema")
-    name: Name
-    description: str = ""
-    platform: Platform
+    schema_version: Literal[1] = Field(1, alias="schema", description="always `1`")
+    name: Name = Field(description="plain name (letters, digits, `.`, `_`, `-`)")
+    description: str = Field("", description="a sentence")
+    platform: Platform = Field(description="the NPU, CANN version and toolchain")
     series: str = Field(description="bundled series name or a path relative to the recipe")
     delivery: Name = Field(description="the source that holds the series and scripts")
     tree_root: Name = Field(description="the source whose checkout is the workspace tree")
-    sources: list[Source] = Field(min_length=1)
-    build: Build
-    weights: Weights
-    conversion: Conversion
-    serve: Serve
-    acceptance: Acceptance
-    host: Host
-    selftest: Selftest = Selftest()
+    sources: list[Source] = Field(
+        min_length=1,
+        description="git repositories pinned at full commits")
+    build: Build = Field(description="what `build` compiles")
+    weights: Weights = Field(description="the two weight sets `download` fetches")
+    conversion: Conversion = Field(description="GGUF conversion of the routed experts")
+    serve: Serve = Field(
+        description="server flags, environment and the rules that derive values from the host")
+    acceptance: Acceptance = Field(description="what `accept` checks")
+    host: Host = Field(description="what `doctor` requires of the host")
+    selftest: Selftest = Field(
+        Selftest(), description="what `selftest` sends through the built kt-kernel")
     series_targets: list[Name] = Field(
         [], description="apply only the series' patches for these sources ([]: all of them); "
         "a recipe without sglang can still take the delivery's whole series")
     not_applicable: list[str] = Field(
         [], description="pipeline stages that make no sense for this recipe (e.g. an x86 "
         "development recipe ends at selftest): `run` passes them, running them says why")
-    runtime: Runtime = Runtime()
+    runtime: Runtime = Field(
+        Runtime(), description="where build, selftest, serve and accept run: host or container")
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:
@@ -850,10 +953,9 @@ def _first_error(path: str, doc: Any, exc: ValidationError,
     loc = tuple(p for p in err["loc"] if not (isinstance(p, str) and "[" in p))
     field = _format_loc(loc)
     at = _line_of(doc, loc)
-    dotted = ".".join(str(p) for p in loc)
-    for item in overrides or []:
-        key = item.split("=", 1)[0].strip()
-        if dotted == key or dotted.startswith(key + ".") or key.startswith(dotted + ".") and dotted:
+    for key, set_at in _override_locs(doc, overrides or []):
+        n = min(len(set_at), len(loc))
+        if loc and set_at[:n] == loc[:n]:
             path = f"--set {key} (over {path})"
             at = None
     msg = err["msg"].removeprefix("Value error, ")
@@ -914,41 +1016,182 @@ def bundled_recipe_names() -> list[str]:
     return sorted(p.stem for p in BUNDLED_RECIPES.glob("*.yaml"))
 
 
+# --- overrides (--set) ---------------------------------------------------------------------
+#
+# `--set KEY=VALUE` takes the spelling `status` prints for a changed input
+# (pipeline._flatten: `recipe.sources[sglang].commit`, list items named by their `name`, else
+# by index), plain dotted paths (`sources.0.commit`), and `[i]`/`[name]` selectors. The path
+# is walked against the pydantic models, so a typo names the nearest fields, and the value
+# is parsed as YAML (flow lists and mappings) unless the field holds a string.
+
+_SEGMENT = re.compile(r"\[([^\]]*)\]|([^.\[\]]+)")
+
+
+def _override_parts(key: str) -> list[str]:
+    """`recipe.a[b].c.0` -> ['a', 'b', 'c', '0']; raises on a malformed path."""
+    parts: list[str] = []
+    pos = 0
+    while pos < len(key):
+        if parts and key[pos] == ".":
+            pos += 1
+        match = _SEGMENT.match(key, pos)
+        if match is None or match.end() == pos:
+            raise InputError(f"--set {key}: malformed key at '{key[pos:]}'; write dotted.key, "
+                             "list items as [name] or [0], e.g. sources[sglang].commit")
+        parts.append(match.group(1) if match.group(1) is not None else match.group(2))
+        pos = match.end()
+    if not parts:
+        raise InputError(f"--set {key!r}: empty key; expected dotted.key=value")
+    if parts[0] == "recipe" and len(parts) > 1:
+        parts = parts[1:]  # status prefixes recipe fields with 'recipe.'
+    return parts
+
+
+def _unwrap(tp: Any) -> Any:
+    """The type under Annotated[...] and Optional[...]."""
+    import typing
+
+    while True:
+        origin = typing.get_origin(tp)
+        if origin is Annotated:
+            tp = typing.get_args(tp)[0]
+            continue
+        args = typing.get_args(tp)
+        if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and args:
+            rest = [a for a in args if a is not type(None)]
+            if len(rest) == 1:
+                tp = rest[0]
+                continue
+        return tp
+
+
+def _model_field(model: type[BaseModel], key: str) -> tuple[str, Any] | None:
+    """(key as written in YAML, its type) for a field of `model` named or aliased `key`."""
+    for name, info in model.model_fields.items():
+        if key in (name, info.alias):
+            return info.alias or name, info.annotation
+    return None
+
+
+def _item_type(tp: Any) -> Any:
+    import typing
+
+    args = typing.get_args(tp)
+    return args[0] if args else Any
+
+
+def _is_text(tp: Any) -> bool:
+    """A field that holds a string keeps the raw text ('1111...' is a commit, not an int)."""
+    import typing
+
+    tp = _unwrap(tp)
+    if tp is str:
+        return True
+    return typing.get_origin(tp) is Literal and all(isinstance(a, str) for a in typing.get_args(tp))
+
+
+def _nearest(word: str, choices: list[str]) -> str:
+    import difflib
+
+    near = difflib.get_close_matches(word, choices, n=3, cutoff=0.5)
+    return f"did you mean {', '.join(near)}?" if near else f"valid: {', '.join(choices)}"
+
+
+def _set_one(doc: dict[str, Any], key: str, raw: str) -> tuple[Any, ...]:
+    """Set one override in `doc` (in place); returns the resolved location, as pydantic's."""
+    import typing
+
+    parts = _override_parts(key)
+    if parts[0] == "series" and len(parts) > 1:
+        raise InputError(f"--set {key}: patch entries live in the series file, not the recipe; "
+                         "edit that file, or point --set series=<file> at another")
+    node: Any = doc
+    tp: Any = Recipe
+    loc: list[Any] = []
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        here = ".".join(str(p) for p in loc) or "the recipe"
+        kind = _unwrap(tp)
+        origin = typing.get_origin(kind)
+        idx: Any
+        if isinstance(node, list):
+            names = [v.get("name") for v in node if isinstance(v, dict)]
+            if part.isdigit():
+                idx = int(part)
+                if idx >= len(node):
+                    raise InputError(f"--set {key}: '{part}' is not an index of {here} "
+                                     f"({len(node)} items: 0..{len(node) - 1})")
+            elif part in names:
+                idx = names.index(part)
+            else:
+                known = [str(n) for n in names if n is not None]
+                raise InputError(f"--set {key}: '{part}' is not an item of {here}; "
+                                 + (_nearest(part, known) if known else "give an index"))
+            sub = _item_type(kind) if origin in (list, tuple) else Any
+        elif isinstance(node, dict):
+            if isinstance(kind, type) and issubclass(kind, BaseModel):
+                found = _model_field(kind, part)
+                if found is None:
+                    fields = [info.alias or n for n, info in kind.model_fields.items()]
+                    raise InputError(f"--set {key}: '{part}' is not a key of {here}; "
+                                     f"{_nearest(part, fields)}")
+                idx, sub = found
+            else:
+                # an open mapping (serve.env, host.tools, conversion.digests): any key
+                args = typing.get_args(kind)
+                key_tp, sub = (args[0], args[1]) if len(args) == 2 else (Any, Any)
+                idx = int(part) if part.isdigit() and (key_tp is int or int(part) in node) else part
+            if not last and idx not in node:
+                inner = _unwrap(sub)
+                is_map = typing.get_origin(inner) is dict or (
+                    isinstance(inner, type) and issubclass(inner, BaseModel))
+                if not is_map:
+                    whole = ".".join([*map(str, loc), part])
+                    what = "list" if typing.get_origin(inner) in (list, tuple) else "value"
+                    raise InputError(f"--set {key}: {whole} is a {what}, not a mapping; "
+                                     f"set it whole, e.g. --set '{whole}=...'")
+                node[idx] = {}
+        else:
+            prev = ".".join(str(p) for p in loc)
+            raise InputError(f"--set {key}: {prev} is a value, not a mapping or list; "
+                             f"set it whole with --set {prev}=...")
+        loc.append(idx)
+        if last:
+            if _is_text(sub):
+                node[idx] = raw
+            else:
+                try:
+                    node[idx] = yaml.safe_load(raw) if raw != "" else ""
+                except yaml.YAMLError as exc:
+                    problem = getattr(exc, "problem", None) or "invalid YAML"
+                    raise InputError(f"--set {key}: value {raw!r} is not valid YAML ({problem}); "
+                                     "quote it, e.g. --set 'serve.env={A: \"1\"}'") from None
+        else:
+            node, tp = node[idx], sub
+    return tuple(loc)
+
+
 def apply_overrides(doc: dict[str, Any], overrides: list[str], path: str) -> dict[str, Any]:
-    """Apply `dotted.key=value` overrides; the value is parsed as YAML (numbers, lists...)."""
+    """Apply `key=value` overrides (see the rules above) to a copy of `doc`."""
     doc = _plain(doc)
     for item in overrides:
         if "=" not in item:
             raise InputError(f"--set {item!r}: expected dotted.key=value, e.g. serve.port=8021")
         key, raw = item.split("=", 1)
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        node: Any = doc
-        parts = key.strip().split(".")
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            if isinstance(node, list):
-                if not part.isdigit() or int(part) >= len(node):
-                    raise InputError(
-                        f"--set {key}: '{part}' is not an index of a {len(node)}-item list"
-                    )
-                idx: Any = int(part)
-            elif isinstance(node, dict):
-                # YAML reads `5:` as an int key (layer digests): match it from the dotted text
-                idx = int(part) if part.isdigit() and int(part) in node else part
-                if not last and idx not in node:
-                    raise InputError(f"--set {key}: '{part}' is not a key of {path}")
-            else:
-                raise InputError(f"--set {key}: '{parts[i - 1]}' is not a mapping or list")
-            if last:
-                # a field that holds a string stays a string ("1111..." is a commit, not an int)
-                current = node[idx] if isinstance(node, list) else node.get(idx)
-                node[idx] = raw if isinstance(current, str) else value
-            else:
-                node = node[idx]
+        _set_one(doc, key.strip(), raw)
     return doc
+
+
+def _override_locs(doc: Any, overrides: list[str]) -> list[tuple[str, tuple[Any, ...]]]:
+    """Each override key with the location it resolves to in `doc` (for error messages)."""
+    out = []
+    for item in overrides:
+        key = item.split("=", 1)[0].strip()
+        try:
+            out.append((key, _set_one(_plain(doc), key, item.split("=", 1)[-1])))
+        except InputError:
+            continue
+    return out
 
 
 # --- inheritance ---------------------------------------------------------------------------

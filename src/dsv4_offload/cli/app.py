@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import Any
 
 import typer
 
 from dsv4_offload import __version__
+from dsv4_offload.cli import complete
+from dsv4_offload.cli.argv import GlobalOptionsGroup, hoist_globals
 from dsv4_offload.cli.kit import (
     GlobalOptions,
     report_error,
@@ -25,10 +28,11 @@ app = typer.Typer(
         "From a bare Kunpeng-920 + Ascend NPU host to a verified DeepSeek-V4-Flash server.\n\n"
         "Stages, in order: doctor, fetch, patch, build, selftest, download, convert, verify-gguf, "
         "serve, accept. `run` goes through them, skipping what is done; `status` tells "
-        "what is done, stale (and why), failed or pending."
+        "what is done, stale (and why), failed or pending.\n\n"
+        "The options below may also follow any command: `dsv4-offload status --json`."
     ),
+    cls=GlobalOptionsGroup,
     no_args_is_help=True,
-    add_completion=False,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
@@ -50,7 +54,8 @@ def main_options(
         help="Workspace directory (default ./dsv4-work).", show_envvar=True,
     ),
     recipe: str | None = typer.Option(
-        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b)."
+        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b).",
+        autocompletion=complete.recipes,
     ),
     overrides: list[str] = typer.Option(
         [], "--set", metavar="KEY=VALUE",
@@ -83,11 +88,8 @@ def _register_areas() -> None:
 _register_areas()
 
 
-def _command_name(args: list[str]) -> str:
+def _command_name(args: list[str], group: Any) -> str:
     """The subcommand words in argv (for error documents), skipping option values."""
-    import typer.main
-
-    group = typer.main.get_command(app)
     words: list[str] = []
     for arg in args:
         commands = getattr(group, "commands", None)
@@ -133,11 +135,17 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: expected failures print one line and exit with their code."""
     usage_errors, aborts, exits = _click_exception_types()
 
+    import typer.main
+
     args = sys.argv[1:] if argv is None else argv
-    as_json = "--json" in args
-    command = _command_name(args)
+    # built once: typer rebuilds the click tree (every signature) on each call
+    click_app = typer.main.get_command(app)
+    hoisted, found = hoist_globals(click_app, args)
+    as_json = "--json" in found
+    command = _command_name(hoisted, click_app)
     try:
-        rv = app(args=args, prog_name="dsv4-offload", standalone_mode=False)
+        # what app(...) does, without rebuilding the tree (pretty exceptions are off)
+        rv = click_app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple

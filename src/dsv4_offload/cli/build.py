@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from dsv4_offload.cli import kit
+from dsv4_offload.cli import complete, kit
 from dsv4_offload.errors import InputError
 
 
@@ -21,7 +21,7 @@ def build(
     steps: list[str] = typer.Argument(
         None, metavar="[STEP]...",
         help="Steps of the recipe's build.steps to run (default all): kt-kernel, gguf-py, "
-        "sglang, ascendc-op."),
+        "sglang, ascendc-op.", autocompletion=complete.steps),
     python: str | None = typer.Option(
         None, "--python", metavar="PATH",
         help="The interpreter to build with and for (default: the recipe's build.python); "
@@ -69,7 +69,8 @@ def _endpoints(values: list[str]) -> str | dict[str, str] | None:
 def download(
     ctx: typer.Context,
     which: str | None = typer.Argument(
-        None, metavar="[w8a8|mxfp4]", help="One weight set (default both)."),
+        None, metavar="[w8a8|mxfp4]", help="One weight set (default both).",
+        autocompletion=complete.weight_sets),
     endpoint: list[str] = typer.Option(
         [], "--endpoint", metavar="[HUB=]URL",
         help="A hub mirror: URL for the chosen set, or huggingface=URL / modelscope=URL "

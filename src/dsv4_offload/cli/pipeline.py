@@ -9,6 +9,7 @@ from typing import Any
 
 import typer
 
+from dsv4_offload.cli import complete
 from dsv4_offload.cli.kit import emit, emit_result, exit_with, load_context, options_of, run_stage
 from dsv4_offload.errors import ExitCode
 
@@ -22,10 +23,13 @@ def register(app: typer.Typer) -> None:
 
 def run(
     ctx: typer.Context,
-    start: str | None = typer.Option(None, "--from", help="First stage to consider."),
-    stop: str | None = typer.Option(None, "--to", help="Last stage to consider."),
+    start: str | None = typer.Option(None, "--from", help="First stage to consider.",
+                                      autocompletion=complete.stages),
+    stop: str | None = typer.Option(None, "--to", help="Last stage to consider.",
+                                     autocompletion=complete.stages),
     force: list[str] = typer.Option([], "--force", metavar="STAGE",
-                                    help="Rerun this stage even if done."),
+                                    help="Rerun this stage even if done.",
+                                    autocompletion=complete.stages),
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
     mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL",
                                      help="A mirror for source NAME, tried first."),

@@ -1,4 +1,4 @@
-"""Recipe commands: ``recipe list|show|validate``.
+"""Recipe commands: ``recipe list|show|validate|schema|reference``.
 
 Only typer and cli.kit at import time; the recipe models load inside commands.
 """
@@ -17,6 +17,8 @@ def register(app: typer.Typer) -> None:
     recipe_app.command("list")(recipe_list)
     recipe_app.command("show")(recipe_show)
     recipe_app.command("validate")(recipe_validate)
+    recipe_app.command("schema")(recipe_schema)
+    recipe_app.command("reference")(recipe_reference)
     app.add_typer(recipe_app, name="recipe")
 
 
@@ -69,3 +71,30 @@ def recipe_validate(
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")
     emit(ctx, command="recipe validate", status="ok", data=data, lines=[line])
+
+
+def recipe_schema(ctx: typer.Context) -> None:
+    """The recipe's JSON schema (for editors and CI linters)."""
+    import json
+    import sys
+
+    from dsv4_offload.reference import json_schema
+
+    schema = json_schema()
+    if options_of(ctx).json:
+        emit(ctx, command="recipe schema", status="ok", data=schema)
+    else:
+        sys.stdout.write(json.dumps(schema, indent=2, ensure_ascii=False) + "\n")
+
+
+def recipe_reference(ctx: typer.Context) -> None:
+    """docs/recipe-reference.md, generated from the recipe models (Markdown)."""
+    import sys
+
+    from dsv4_offload.reference import reference_markdown
+
+    text = reference_markdown()
+    if options_of(ctx).json:
+        emit(ctx, command="recipe reference", status="ok", data={"markdown": text})
+    else:
+        sys.stdout.write(text)

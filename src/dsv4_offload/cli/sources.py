@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from dsv4_offload.cli import kit
+from dsv4_offload.cli import complete, kit
 from dsv4_offload.errors import ExitCode
 
 patch_app = typer.Typer(help="Apply, check, inspect, reset and refresh the patch series.")
@@ -59,7 +59,7 @@ def patch_default(ctx: typer.Context) -> None:
 def patch_apply(
     ctx: typer.Context,
     only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
-                                   help="Only these targets."),
+                                   help="Only these targets.", autocompletion=complete.targets),
     force: bool = typer.Option(False, "--force", help="Reset a target whose applied patches "
                                "differ from the series (the old state is kept under a ref)."),
 ) -> None:
@@ -98,7 +98,8 @@ def patch_status(ctx: typer.Context) -> None:
 @patch_app.command("reset")
 def patch_reset(
     ctx: typer.Context,
-    target: str | None = typer.Argument(None, help="One target (default: every patched one)."),
+    target: str | None = typer.Argument(None, help="One target (default: every patched one).",
+                                        autocompletion=complete.targets),
     force: bool = typer.Option(False, "--force",
                                help="Also reset over local edits (kept under a ref)."),
 ) -> None:
@@ -127,7 +128,7 @@ def patch_reset(
 def patch_refresh(
     ctx: typer.Context,
     only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
-                                   help="Only these targets."),
+                                   help="Only these targets.", autocompletion=complete.targets),
 ) -> None:
     """Regenerate this repo's own patch files from their commits and update their sha256.
 
@@ -199,7 +200,7 @@ def patch_check(
     rev: list[str] = typer.Option([], "--rev", metavar="TARGET=REF",
                                   help="Check against another upstream branch/tag/SHA."),
     only: list[str] = typer.Option([], "--only", metavar="TARGET[,TARGET]",
-                                   help="Only these targets."),
+                                   help="Only these targets.", autocompletion=complete.targets),
     junit: str | None = typer.Option(None, "--junit", metavar="FILE", help="JUnit XML report."),
     markdown: str | None = typer.Option(None, "--markdown", metavar="FILE",
                                         help="Markdown summary (e.g. $GITHUB_STEP_SUMMARY)."),
