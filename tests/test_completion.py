@@ -29,13 +29,16 @@ def test_names_come_from_the_recipe(cli, tmp_path: Path) -> None:
     assert bash(cli, "dsv4-offload download ") == ["w8a8", "mxfp4"]
     assert bash(cli, "dsv4-offload run --to v") == ["verify-gguf"]
     assert bash(cli, "dsv4-offload run --force ")[:3] == ["doctor", "fetch", "patch"]
-    assert bash(cli, "dsv4-offload --recipe dsv4-flash-") == ["dsv4-flash-910b", "dsv4-flash-a3"]
+    assert bash(cli, "dsv4-offload --recipe dsv4-flash-") == [
+        "dsv4-flash-910b", "dsv4-flash-a3", "dsv4-flash-arm-rehearsal", "dsv4-flash-x86-dev"]
+    assert bash(cli, "dsv4-offload --recipe dsv4-flash-a") == [
+        "dsv4-flash-a3", "dsv4-flash-arm-rehearsal"]
     assert "sglang" in bash(cli, "dsv4-offload patch apply --only ")
     assert bash(cli, "dsv4-offload patch check --only ktransformers,sg") == [
         "ktransformers,sglang"]
     # a recipe of one's own, given after the command, and the one it extends
     own = tmp_path / "own.yaml"
-    own.write_text("extends: dsv4-flash-a3\nname: own\nbuild:\n  steps:\n"
+    own.write_text("extends: dsv4-flash-910b\nname: own\nbuild:\n  steps:\n"
                    "    - name: ascendc-op\n      remove: true\n"
                    "    - name: my-step\n      workdir: x\n      command: [make]\n")
     assert bash(cli, f"dsv4-offload build -r {own} ") == [

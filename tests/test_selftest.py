@@ -269,7 +269,8 @@ def test_selftest_is_stale_when_the_built_module_changes(tmp_path: Path) -> None
 
 
 def test_selftest_section_is_strict() -> None:
-    with pytest.raises(InputError, match=r"selftest\.colour: unknown key"):
+    with pytest.raises(InputError,
+                       match=r"--set selftest\.colour: 'colour' is not a key of selftest"):
         load_recipe_and_series(RECIPE, ["selftest.colour=1"])
     with pytest.raises(InputError, match="hidden 100 must be a multiple of 32"):
         load_recipe_and_series(RECIPE, ["selftest.hidden=100"])

@@ -303,9 +303,9 @@ def patch_rebase(
     from dsv4_offload import carry, gitsrc
     from dsv4_offload.errors import InputError
 
+    pctx = kit.load_context(ctx, "patch")
     if cont + abort + (spec is not None) != 1:
         raise InputError("patch rebase: give TARGET=REF to start, or --continue, or --abort")
-    pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
     log = pctx.log_dir / "rebase.log"
     ws = pctx.workspace
