@@ -29,6 +29,7 @@ from dsv4_offload.series import (
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe, Series
+    from dsv4_offload.series import LoadedPatch
     from dsv4_offload.workspace import Workspace
 
 
@@ -45,6 +46,18 @@ def _check_target(series: Series, target: str, option: str) -> None:
     if target not in targets:
         raise InputError(f"{option} {target}=...: not a target of series '{series.name}'; "
                          f"use one of {targets}")
+
+
+def _patches_and_history(recipe: Recipe, series: Series, target: str, ref: str, log: Path,
+                         mirrors: dict[str, list[str]] | None
+                         ) -> tuple[list[LoadedPatch], gitsrc.HistoryFetch]:
+    """The target's patches, fetched and verified, and REF's blob-less history."""
+    entries = series.for_target(target)
+    for name in dict.fromkeys(e.origin.source for e in entries if e.origin.source):
+        assert name is not None
+        gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
+    loaded = load_patches(entries, recipe, series, None)
+    return loaded, gitsrc.fetch_history(recipe.source(target), ref, log=log, mirrors=mirrors)
 
 
 # --- bisect --------------------------------------------------------------------------------
@@ -159,12 +172,7 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
     _check_target(series, target, "--bisect")
     start = time.monotonic()
     source = recipe.source(target)
-    entries = series.for_target(target)
-    for name in dict.fromkeys(e.origin.source for e in entries if e.origin.source):
-        assert name is not None
-        gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
-    loaded = load_patches(entries, recipe, series, None)
-    hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
+    loaded, hist = _patches_and_history(recipe, series, target, ref, log, mirrors)
     fetched = time.monotonic() - start
     repo = hist.repo
     if hist.commit != source.pinned and gitsrc.git_ok(repo, "merge-base", "--is-ancestor",
@@ -397,12 +405,7 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
         raise InputError(f"a rebase is under way in {ws.rebase_dir}; finish it with `patch "
                          "rebase --continue` or drop it with `patch rebase --abort`")
     source = recipe.source(target)
-    entries = series.for_target(target)
-    for name in dict.fromkeys(e.origin.source for e in entries if e.origin.source):
-        assert name is not None
-        gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
-    loaded = load_patches(entries, recipe, series, None)
-    hist = gitsrc.fetch_history(source, ref, log=log, mirrors=mirrors)
+    loaded, hist = _patches_and_history(recipe, series, target, ref, log, mirrors)
     slug = _slug(ref, hist.commit)
     out_dir = (out or ws.rebased_dir).absolute() / f"{series.name}@{slug}"
     if out_dir.exists():

@@ -202,7 +202,11 @@ def _cache_lock(repo: Path) -> Iterator[None]:
 
 
 def ensure_cache_repo(name: str) -> Path:
-    repo = cache_repo_path(name)
+    return _ensure_bare(cache_repo_path(name))
+
+
+def _ensure_bare(repo: Path) -> Path:
+    """A bare repository of the shared cache at ``repo``, made on first use."""
     if not (repo / "HEAD").exists():
         import git
 
@@ -634,15 +638,7 @@ def fetch_history(source: Source, ref: str, *, log: Path,
     2. a host that ignores filters serves everything: kept, with a note; a filtered fetch
        that fails (and not for a dead host) is tried again without the filter, with a note.
     """
-    repo = history_repo_path(source.name)
-    if not (repo / "HEAD").exists():
-        import git
-
-        try:
-            git.Repo.init(repo, bare=True)
-        except OSError as exc:
-            raise InputError(f"{repo}: cannot create the git cache ({exc.strerror}); set "
-                             f"{CACHE_ENV} to a writable directory") from None
+    repo = _ensure_bare(history_repo_path(source.name))
     local = f"refs/dsv4/rev/{_ref_slug(ref)}"
     want = ref if _HEX40.match(ref) else f"+{ref}:{local}"
     why = ""
