@@ -19,7 +19,6 @@ from dsv4_offload import gitsrc
 from dsv4_offload.runner import run_command
 from dsv4_offload.series import (
     _GNU_FUZZ,
-    _OFFSET,
     CHECK_FUZZ,
     CLEAN,
     FAILS,
@@ -28,6 +27,7 @@ from dsv4_offload.series import (
     UPSTREAM,
     Classification,
     Method,
+    applied_cleanly_or_moved,
     method_of,
     parse_rejected,
 )
@@ -93,11 +93,7 @@ class IndexTree:
             return upstream
         fwd = self._apply(patch_file, strip, method, "--check", "-v")
         if fwd.returncode == 0:
-            moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
-                     for m in map(_OFFSET.search, fwd.tail) if m]
-            if moved:
-                return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
-            return Classification(CLEAN)
+            return applied_cleanly_or_moved(fwd.tail)
         if not method.reverse_first and self._reverse_applies(patch_file, strip, method):
             return upstream
         hunks = parse_rejected(fwd.tail)

@@ -307,6 +307,15 @@ class Classification:
     hunks: list[str] = field(default_factory=list)  # rejected (fails) or moved (offset/fuzz)
 
 
+def applied_cleanly_or_moved(tail: list[str]) -> Classification:
+    """clean, or offset with the moved hunks, from a successful ``git apply --check -v``."""
+    moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
+             for m in map(_OFFSET.search, tail) if m]
+    if moved:
+        return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
+    return Classification(CLEAN)
+
+
 def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path,
              zero_context: bool = False) -> Classification:
     """clean / offset / fuzz / fails / already-upstream, without changing the tree."""
@@ -321,11 +330,7 @@ def classify(repo_dir: Path, patch_file: Path, strip: int, log: Path,
     fwd = _git(repo_dir, ["apply", "--check", "-v", f"-p{strip}", *zero, str(patch_file)], log,
                check=False)
     if fwd.returncode == 0:
-        moved = [f"hunk {m.group(1)} at {m.group(2)} ({int(m.group(3)):+d})"
-                 for m in map(_OFFSET.search, fwd.tail) if m]
-        if moved:
-            return Classification(OFFSET, f"applies with offset: {', '.join(moved)}", moved)
-        return Classification(CLEAN)
+        return applied_cleanly_or_moved(fwd.tail)
     rev = _git(repo_dir, ["apply", "--check", "--reverse", f"-p{strip}", *zero, str(patch_file)],
                log, check=False)
     if rev.returncode == 0:
