@@ -480,6 +480,15 @@ def build_plan(
     def from_env(name: str) -> str:
         return f"{ENVIRONMENT} ({name}, launcher {FLAG_KNOBS[name][1]})"
 
+    def launcher_number(name: str, kind: type[int] | type[float], recipe_value: float,
+                        flag: str) -> float:
+        """The launcher's ``${NAME:-default}``: an exported value wins over the recipe's."""
+        value = _env_number(base_env, name, kind)
+        if value is None:
+            return recipe_value
+        origins[flag] = from_env(name)
+        return value
+
     # --- CPU pools and threads: the environment's, else derived from the host
     env_pools = _env_number(base_env, "KT_THREADPOOL_COUNT", int)
     env_threads = _env_number(base_env, "KT_CPUINFER", int)
@@ -530,11 +539,9 @@ def build_plan(
                          f"serve.max_prefill_tokens is {s.max_prefill_tokens}")
 
     # --- resident experts and the static memory fraction
-    env_experts = _env_number(base_env, "KT_NUM_GPU_EXPERTS", int)
-    base_experts = int(env_experts) if env_experts is not None else s.kt_num_gpu_experts
+    base_experts = int(launcher_number("KT_NUM_GPU_EXPERTS", int, s.kt_num_gpu_experts,
+                                       "--kt-num-gpu-experts"))
     experts = base_experts if gpu_experts is None else gpu_experts
-    if env_experts is not None:
-        origins["--kt-num-gpu-experts"] = from_env("KT_NUM_GPU_EXPERTS")
     if experts != base_experts:
         origins["--kt-num-gpu-experts"] = f"{RULE} (retry after a KV/HBM failure)"
     if not 0 <= experts <= s.kt_num_gpu_experts_max:
@@ -543,11 +550,9 @@ def build_plan(
             f"{s.kt_num_gpu_experts_max} resident experts at context 65536 (launcher L299-300; "
             "each costs ~1 GB of HBM); use at most that, or lower serve.context_length and raise "
             "serve.kt_num_gpu_experts_max")
-    env_fraction = _env_number(base_env, "MEM_FRACTION", float)
-    base_fraction = float(env_fraction) if env_fraction is not None else s.mem_fraction_static
+    base_fraction = float(launcher_number("MEM_FRACTION", float, s.mem_fraction_static,
+                                          "--mem-fraction-static"))
     fraction = base_fraction if mem_fraction is None else mem_fraction
-    if env_fraction is not None:
-        origins["--mem-fraction-static"] = from_env("MEM_FRACTION")
     if fraction != base_fraction:
         origins["--mem-fraction-static"] = f"{RULE} (retry after an HBM failure)"
     if not 0 < fraction < 1:
@@ -559,10 +564,7 @@ def build_plan(
             "the KV pool drops below the context length (guide appendix G.1); use "
             f"{s.mem_fraction_floor:g}")
 
-    env_port = _env_number(base_env, "PORT", int)
-    port = int(env_port) if env_port is not None else s.port
-    if env_port is not None:
-        origins["--port"] = from_env("PORT")
+    port = int(launcher_number("PORT", int, s.port, "--port"))
     quantization = base_env.get("QUANTIZATION") or s.quantization
     if base_env.get("QUANTIZATION"):
         origins["--quantization"] = from_env("QUANTIZATION")
