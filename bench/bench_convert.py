@@ -28,20 +28,20 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv4_offload.checkpoint import MoeDims, write_synthetic_checkpoint
-from dsv4_offload.gguf_io import LayerLayout
 from dsv4_offload.recipe import load_recipe
 from dsv4_offload.stages.verify_gguf import compare_with_source, hash_files
+from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
+from dsv4_offload.weights.gguf_io import LayerLayout
 
 REAL_LAYER = MoeDims(layers=1, experts=256, experts_per_token=6, hidden=4096, intermediate=2048)
 NEEDED_BYTES = 12 * 10**9  # source 3.3 GB + its cp copy 3.3 GB + our layer 3.4 GB + slack
 CHILD = """
 import sys, time
 from pathlib import Path
-from dsv4_offload.checkpoint import MoeDims
-from dsv4_offload.gguf_io import LayerLayout
+from dsv4_offload.weights.checkpoint import MoeDims
+from dsv4_offload.weights.gguf_io import LayerLayout
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.stages.convert import convert_layer
+from dsv4_offload.weights.convert import convert_layer
 dims = MoeDims(*map(int, sys.argv[3:8]))
 layout = LayerLayout.for_layer(0, dims, load_recipe().conversion)
 t0 = time.perf_counter()
@@ -101,7 +101,7 @@ def main() -> None:
         shutil.rmtree(base)
         raise SystemExit(f"{base}: {free / 1e9:.1f} GB free, the benchmark needs "
                          f"{NEEDED_BYTES / 1e9:.0f} GB; pass --dir on a bigger disk")
-    from dsv4_offload.mxfp4 import kernel_status
+    from dsv4_offload.weights.mxfp4 import kernel_status
 
     print(f"repack: {kernel_status()}")
     print(f"bench dir {base}; cores {os.cpu_count()}; load average at start "
@@ -167,7 +167,7 @@ def run(base: Path, repeats: int, warm: bool, warmup: int) -> None:
     sums_med, hash_med = statistics.median(sums), statistics.median(ours_hash)
 
     deep = []
-    from dsv4_offload.checkpoint import Checkpoint
+    from dsv4_offload.weights.checkpoint import Checkpoint
 
     data_bytes = layout.file_bytes - layout.data_offset
     for threads in (1, os.cpu_count() or 1):

@@ -53,8 +53,8 @@ def build(root: Path, files: int, commits: int) -> tuple[Path, list[str], Path]:
 
 
 def main() -> int:
-    from dsv4_offload.indexcheck import IndexTree
-    from dsv4_offload.series import METHODS
+    from dsv4_offload.sources.indexcheck import IndexTree
+    from dsv4_offload.sources.series import METHODS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", type=int, default=1400)

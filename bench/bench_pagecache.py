@@ -19,7 +19,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dsv4_offload import pagecache
+from dsv4_offload.serving import pagecache
 
 MIB = 1 << 20
 

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.errors import InputError
-from dsv4_offload.probes import (
+from dsv4_offload.acceptance.probes import (
     Bucket,
     Calibration,
     Plan,
@@ -24,6 +23,7 @@ from dsv4_offload.probes import (
     sentence_cycle,
     write_chart,
 )
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import Degeneration, LogMarker, Probe, load_recipe
 from dsv4_offload.stages.accept import load_probes
 
@@ -264,8 +264,8 @@ def test_probes_file_is_validated(tmp_path: Path):
 
 
 def test_the_chunk_comes_from_the_most_direct_source():
+    from dsv4_offload.serving.supervisor import ServeRecord
     from dsv4_offload.stages.accept import server_chunk
-    from dsv4_offload.supervisor import ServeRecord
 
     record = ServeRecord(1, 2, "http://x", "log", ["python", "-m", "sglang.launch_server",
                                                    "--chunked-prefill-size", "16384"], "now")
@@ -283,7 +283,7 @@ def test_the_chunk_comes_from_the_most_direct_source():
 
 
 def test_gpqa_reads_evalscopes_report_and_summarises_like_the_script(tmp_path: Path):
-    from dsv4_offload.gpqa import GpqaResult, read_score
+    from dsv4_offload.acceptance.gpqa import GpqaResult, read_score
 
     assert read_score(tmp_path) is None
     report = tmp_path / "20261203_041500" / "reports" / "W8A8" / "gpqa_diamond.json"
@@ -318,9 +318,9 @@ def test_an_exported_depool_knob_decides_the_depool_marker(tmp_path: Path, monke
 def test_the_api_key_goes_into_every_requests_headers(tmp_path: Path):
     from serve_helpers import context, make_workspace
 
-    from dsv4_offload.probes import ServerClient
+    from dsv4_offload.acceptance.probes import ServerClient
+    from dsv4_offload.serving.supervisor import ServeRecord
     from dsv4_offload.stages.accept import auth_headers
-    from dsv4_offload.supervisor import ServeRecord
 
     ws = make_workspace(tmp_path / "ws")
     key = tmp_path / "key"

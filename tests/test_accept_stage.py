@@ -22,8 +22,8 @@ from serve_helpers import (
     standin_overrides,
 )
 
-from dsv4_offload import supervisor as sv
-from dsv4_offload.stage import Status
+from dsv4_offload.core.results import Status
+from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.stages import accept, serve
 
 # small, fast versions of the delivery's method: two buckets, 16 tokens, 2 repeats

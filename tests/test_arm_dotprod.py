@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.host import parse_cpuinfo
+from dsv4_offload.core.host import parse_cpuinfo
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"

@@ -17,10 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import selftest
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 CROSS_CC = "aarch64-linux-gnu-gcc"
 QEMU = "qemu-aarch64"

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from test_build import KT_BUILD  # prints the patched kt-kernel's configure lines, real formats
 
-from dsv4_offload import audit
 from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.sources import audit
+from dsv4_offload.workspace.store import Workspace
 
 KT = "src/ktransformers"
 DELIVERY_DIR = "integration/sglang/dsv4-flash-single-npu-moe-offload"

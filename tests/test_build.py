@@ -13,11 +13,12 @@ from typing import Any
 import pytest
 import yaml
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import BUNDLED_RECIPES, load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import build
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 KT = "src/ktransformers/kt-kernel"
 SGL = "src/ktransformers/third_party/sglang/python"

@@ -255,11 +255,11 @@ def test_run_sends_container_stages_in_and_keeps_the_others_here(
 
 def test_container_stage_cannot_take_the_lock_without_the_token(
         tmp_path: Path) -> None:
-    from dsv4_offload.errors import LockedError
-    from dsv4_offload.workspace import HANDOFF_ENV, Workspace
+    from dsv4_offload.core.errors import LockedError
+    from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
     ws = Workspace(tmp_path / "ws")
-    probe = ("import os, sys\nfrom dsv4_offload.workspace import Workspace\n"
+    probe = ("import os, sys\nfrom dsv4_offload.workspace.store import Workspace\n"
              "with Workspace(sys.argv[1]).lock('inner'):\n    print('inside')\n")
     import subprocess
 
@@ -311,7 +311,7 @@ def test_exec_refuses_a_recipe_the_container_cannot_see(
 
 
 def test_doctor_reports_docker_the_image_and_where_it_runs() -> None:
-    from dsv4_offload.host import probe_host
+    from dsv4_offload.core.host import probe_host
     from dsv4_offload.recipe import load_recipe
     from dsv4_offload.stages.doctor import RuntimeFacts, check_runtime
 

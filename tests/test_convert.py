@@ -22,7 +22,11 @@ import numpy as np
 import pytest
 from conftest import CLI, run_cli
 
-from dsv4_offload.checkpoint import (
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Status
+from dsv4_offload.recipe import load_recipe_and_series
+from dsv4_offload.stages import convert
+from dsv4_offload.weights.checkpoint import (
     INDEX_FILE,
     MoeDims,
     TensorSpec,
@@ -30,12 +34,9 @@ from dsv4_offload.checkpoint import (
     write_safetensors,
     write_synthetic_checkpoint,
 )
-from dsv4_offload.errors import InputError
-from dsv4_offload.gguf_io import LayerLayout
-from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
-from dsv4_offload.stages import convert
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.weights.gguf_io import LayerLayout
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 DIMS = MoeDims(layers=3, experts=8, experts_per_token=6, hidden=64, intermediate=32)
 FILE = "dsv4_layer{}_mxfp4.gguf"
@@ -196,8 +197,8 @@ def test_fingerprinting_the_gguf_stages_loads_no_numpy(tmp_path: Path) -> None:
         "import sys\n"
         "from dsv4_offload import pipeline\n"
         "from dsv4_offload.recipe import load_recipe_and_series\n"
-        "from dsv4_offload.stage import StageContext\n"
-        "from dsv4_offload.workspace import Workspace\n"
+        "from dsv4_offload.workspace.context import StageContext\n"
+        "from dsv4_offload.workspace.store import Workspace\n"
         "recipe, series = load_recipe_and_series()\n"
         f"ws = Workspace({str(tmp_path)!r})\n"
         "ctx = StageContext(recipe=recipe, series=series, workspace=ws)\n"

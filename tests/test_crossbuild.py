@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload import crossbuild
+from dsv4_offload.build import cross as crossbuild
 from dsv4_offload.recipe import load_recipe, load_recipe_and_series, load_series
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.store import Workspace
 
 CROSS = "aarch64-linux-gnu"
 
@@ -242,9 +242,9 @@ def crossbuild_series_path(name: str) -> Path:
 
 
 def test_step_commands_name_the_tool_python_and_the_workspace(tmp_path: Path) -> None:
-    from dsv4_offload.bringup import Placeholders
+    from dsv4_offload.build.bringup import Placeholders
     from dsv4_offload.recipe import load_recipe
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.store import Workspace
 
     places = Placeholders(load_recipe("dsv4-flash-arm-rehearsal"), Workspace(tmp_path),
                           "/usr/bin/python3.11")
@@ -377,9 +377,9 @@ def test_the_forbidden_markers_name_the_sve_build_and_spare_the_right_one() -> N
 
 
 def test_a_step_in_the_workspaces_own_dir_gets_it_made_a_checkout_never(tmp_path: Path) -> None:
-    from dsv4_offload.stage import StageContext
     from dsv4_offload.stages import build
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.context import StageContext
+    from dsv4_offload.workspace.store import Workspace
 
     recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", [
         'build.steps.0.command=["sh", "-c", "pwd > where.txt"]',
@@ -400,9 +400,9 @@ def test_a_step_in_the_workspaces_own_dir_gets_it_made_a_checkout_never(tmp_path
 
 def test_the_sve_configure_fails_the_build_with_the_fix(tmp_path: Path) -> None:
     """The kt-kernel step fed the real SVE configure output: failed, and the fix names it."""
-    from dsv4_offload.stage import StageContext
     from dsv4_offload.stages import build
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.context import StageContext
+    from dsv4_offload.workspace.store import Workspace
 
     sve_log = CONFIGURE_LOG.parent / "configure-sve.log"
     recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", [
@@ -419,8 +419,8 @@ def test_the_sve_configure_fails_the_build_with_the_fix(tmp_path: Path) -> None:
 @pytest.mark.parametrize("cpu", [None, "cortex-a53"])
 def test_the_rehearsals_selftest_child_runs_under_qemu_with_the_sysroot_python(
         tmp_path: Path, cpu: str | None) -> None:
-    from dsv4_offload.stage import StageContext
     from dsv4_offload.stages import selftest
+    from dsv4_offload.workspace.context import StageContext
 
     overrides = [f"selftest.emulator.cpu={cpu}"] if cpu else []
     recipe, series = load_recipe_and_series("dsv4-flash-arm-rehearsal", overrides)

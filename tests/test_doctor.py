@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.host import HostFacts, probe_host
+from dsv4_offload.core.host import HostFacts, probe_host
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import Recipe, load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import doctor
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 RECIPE_910B = "dsv4-flash-910b"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.host import probe_host
+from dsv4_offload.core.host import probe_host
 from dsv4_offload.recipe import load_recipe
 from dsv4_offload.stages import doctor
 
@@ -111,8 +111,8 @@ def test_binfmt_entry_parsing() -> None:
 def test_the_doctor_stage_reads_binfmt_from_the_host(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     from dsv4_offload.recipe import load_recipe_and_series
-    from dsv4_offload.stage import StageContext
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.context import StageContext
+    from dsv4_offload.workspace.store import Workspace
 
     root = x86_host(tmp_path, binfmt=BINFMT_ENABLED)
     monkeypatch.setenv("DSV4_HOST_ROOT", str(root))

@@ -9,11 +9,12 @@ from pathlib import Path
 import pytest
 from standin_hub import StandinHub, tiny_model_repo
 
-from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import download
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
 MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"

@@ -219,8 +219,8 @@ def test_fetch_failed_checkout_leaves_no_partial_repository(
 
 
 def test_progress_reads_bytes_from_git_output() -> None:
-    from dsv4_offload.gitsrc import _progress_reader
-    from dsv4_offload.stage import Progress
+    from dsv4_offload.core.results import Progress
+    from dsv4_offload.sources.git import _progress_reader
 
     progress = Progress()
     task = progress.task("fetch ktransformers", unit="bytes")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.host import (
+from dsv4_offload.core.host import (
     NpuInfo,
     choose_npu,
     npu_is_idle,

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.errors import InputError
-from dsv4_offload.host import probe_host
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.host import probe_host
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 

@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import pytest
 
-from dsv4_offload import mxfp4
+from dsv4_offload.weights import mxfp4
 
 
 # OCP MX v1.0, E2M1: sign bit 3, exponent bits 2..1 (bias 1), mantissa bit 0

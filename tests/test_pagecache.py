@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload import pagecache
+from dsv4_offload.serving import pagecache
 
 MIB = 1 << 20
 

@@ -285,9 +285,9 @@ def _same_as_worktree(clone: Path, commits: list[str], patches: list[tuple[str, 
                       tmp: Path) -> list[tuple[str, str, str]]:
     """Each patch, alone, against each commit: the index-only classification and the one of
     a real checkout (series.classify) side by side; returns (commit, patch, status) rows."""
-    from dsv4_offload.indexcheck import IndexTree, method_of
     from dsv4_offload.recipe import PatchEntry
-    from dsv4_offload.series import classify
+    from dsv4_offload.sources.indexcheck import IndexTree, method_of
+    from dsv4_offload.sources.series import classify
 
     log = tmp / "log"
     rows = []

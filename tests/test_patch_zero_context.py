@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload import series as series_mod
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import BUNDLED_SERIES, PatchEntry, Source, load_series
+from dsv4_offload.sources import series as series_mod
 
 BASE = "".join(f"line {i}\n" for i in range(1, 11))
 ADDITION = """diff --git a/f.c b/f.c

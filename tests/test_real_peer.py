@@ -21,7 +21,7 @@ import pytest
 from conftest import run_cli
 from serve_helpers import free_port, leftovers, make_workspace
 
-from dsv4_offload.probes import check_log_markers
+from dsv4_offload.acceptance.probes import check_log_markers
 from dsv4_offload.recipe import load_recipe
 
 pytestmark = pytest.mark.slow

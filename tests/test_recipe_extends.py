@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from test_recipe import RECIPE_910B, line_of
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import (
     BUNDLED_RECIPES,
     BUNDLED_SERIES,

@@ -14,12 +14,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dsv4_offload import moecheck, pipeline
-from dsv4_offload.errors import InputError
+from dsv4_offload import pipeline
+from dsv4_offload.build import moecheck
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import selftest
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 RECIPE = "dsv4-flash-x86-dev"
 STANDIN = Path(__file__).parent / "standin_kt_kernel_ext.py"
@@ -79,14 +81,14 @@ def test_reference_equals_a_per_token_loop() -> None:
 
 
 def test_reference_reads_the_checkpoint_the_gguf_was_converted_from(tmp_path: Path) -> None:
-    from dsv4_offload import mxfp4
+    from dsv4_offload.weights import mxfp4
 
     ctx = make_ctx(tmp_path, standin=False)
     checkpoint, gguf_file = selftest.write_layer(ctx.recipe, ctx.recipe.selftest, tmp_path / "s")
     experts = selftest.source_experts(checkpoint)
     assert experts["gate"].shape == (4, 64, 64) and experts["down"].shape == (4, 64, 64)
     # the GGUF bytes decode to the same matrices (half-block order, E8M0 first)
-    from dsv4_offload.selftest_child import gguf_tensors
+    from dsv4_offload.build.selftest_child import gguf_tensors
 
     tensors = gguf_tensors(str(gguf_file))
     kind, offset, dims = tensors["blk.0.ffn_down_exps.weight"]

@@ -14,20 +14,20 @@ import pytest
 from conftest import run_cli
 from serve_helpers import make_op, make_workspace
 
-from dsv4_offload.errors import InputError
-from dsv4_offload.host import probe_host
-from dsv4_offload.interpreter import chosen_python, resolve_python
+from dsv4_offload.build.interpreter import chosen_python, resolve_python
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.host import probe_host
 from dsv4_offload.recipe import load_recipe, load_recipe_and_series
-from dsv4_offload.serveplan import (
+from dsv4_offload.serving.plan import (
     API_KEY_PLACEHOLDER,
     atb_set_env,
     build_plan,
     op_dir,
     toolkit_home,
 )
-from dsv4_offload.stage import StageContext
 from dsv4_offload.stages.serve import next_attempt
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 TOOLKIT = "/usr/local/Ascend/ascend-toolkit/latest"
@@ -384,7 +384,7 @@ def test_chosen_python_is_recorded_once_and_reused(tmp_path: Path, monkeypatch):
     prov = json.loads(ws.provenance_file.read_text())
     assert prov["python"]["path"] == first.path
     # the build's interpreter is the same one
-    from dsv4_offload.stages.build import build_python
+    from dsv4_offload.build.interpreter import build_python
 
     assert build_python(ctx) == first.path
     again = chosen_python(ctx)
@@ -400,8 +400,8 @@ def test_api_key_reaches_sglang_only(tmp_path: Path, no_leftovers):
     import requests
     from serve_helpers import free_port, standin_overrides
 
-    from dsv4_offload import supervisor as sv
-    from dsv4_offload.probes import api_key_headers
+    from dsv4_offload.acceptance.probes import api_key_headers
+    from dsv4_offload.serving import supervisor as sv
 
     secret = "sk-" + os.urandom(12).hex()
     key_file = tmp_path / "key"
@@ -459,7 +459,7 @@ def test_bad_api_key_file_and_open_bind_warning(ws: Workspace, tmp_path: Path):
 
 
 def test_host_probe_finds_cann_where_the_launcher_searches(tmp_path: Path):
-    from dsv4_offload.host import _probe_cann
+    from dsv4_offload.core.host import _probe_cann
 
     info = tmp_path / "home/u/Ascend/cann-9.0.0/aarch64-linux/ascend_toolkit_install.info"
     info.parent.mkdir(parents=True)
@@ -477,7 +477,7 @@ def test_host_probe_finds_cann_where_the_launcher_searches(tmp_path: Path):
     "not match the quantization method specified in the `quantization` argument (w8a8_int8).",
 ])
 def test_quant_type_mismatch_names_the_guides_fix_first(line: str):
-    from dsv4_offload.supervisor import match_fatal
+    from dsv4_offload.serving.supervisor import match_fatal
 
     fatal = match_fatal(line)
     assert fatal is not None and fatal.key == "quant-type"

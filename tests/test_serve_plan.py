@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from serve_helpers import make_op
 
-from dsv4_offload.errors import Dsv4Error, InputError
-from dsv4_offload.host import HostFacts, NpuInfo, probe_host
+from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.host import HostFacts, NpuInfo, probe_host
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.serveplan import (
+from dsv4_offload.serving.plan import (
     build_plan,
     cann_scripts,
     capture_script_env,
@@ -21,7 +21,7 @@ from dsv4_offload.serveplan import (
     nsa_compressor_mode,
     pick_device,
 )
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.store import Workspace
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hosts"
 
@@ -280,7 +280,7 @@ def test_server_pythonpath_is_the_launchers_order_then_the_inherited_one(ws: Wor
 
 
 def test_serve_and_doctor_pick_the_same_card():
-    from dsv4_offload.host import choose_npu
+    from dsv4_offload.core.host import choose_npu
 
     recipe = load_recipe()
     cards = (npu(0, used=9000), npu(1, used=2500, core=40), npu(2, used=2600, core=0))

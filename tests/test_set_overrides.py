@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import load_recipe
 
 SGLANG_OTHER = "1" * 40

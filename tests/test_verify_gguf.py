@@ -9,13 +9,14 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
-from dsv4_offload.checkpoint import MoeDims, write_synthetic_checkpoint
-from dsv4_offload.errors import InputError
-from dsv4_offload.gguf_io import OWN_MANIFEST, LayerLayout, parse_manifest
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
-from dsv4_offload.stage import StageContext, Status
 from dsv4_offload.stages import convert, verify_gguf
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
+from dsv4_offload.weights.gguf_io import OWN_MANIFEST, LayerLayout, parse_manifest
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
 
 DIMS = MoeDims(layers=3, experts=8, experts_per_token=6, hidden=64, intermediate=32)
 FILE = "dsv4_layer{}_mxfp4.gguf"

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.stages.build import KT_KERNEL_STEP
+from dsv4_offload.build.bringup import KT_KERNEL_STEP
 
 LOG = Path(__file__).parent / "fixtures" / "build-logs" / "kt-kernel-x86-configure.log"
 

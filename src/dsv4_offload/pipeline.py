@@ -19,66 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from dsv4_offload.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
-from dsv4_offload.stage import StageContext, StageResult
-from dsv4_offload.workspace import now_iso
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    name: str
-    needs: tuple[str, ...]
-    recipe_fields: tuple[str, ...]  # dotted recipe paths whose values feed the fingerprint
-    exclude: tuple[str, ...] = ()  # dotted paths (prefixes) left out of those
-    summary: str = ""
-    run_options: dict[str, Any] = field(default_factory=dict)  # options when run by `run`
-
-    @property
-    def module(self) -> str:
-        # DSV4_STAGE_PACKAGE swaps in another implementation of the stages (a site's own
-        # stage package, or the test suite's instrumented ones); the pipeline stays the same
-        package = os.environ.get("DSV4_STAGE_PACKAGE", "dsv4_offload.stages")
-        return f"{package}.{self.name.replace('-', '_')}"
-
-
-STAGES: tuple[StageSpec, ...] = (
-    StageSpec("doctor", (), ("host",), summary="host preflight"),
-    StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
-    StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
-    # a build made in another image (or on the host instead of in one) is not this one
-    StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
-              summary="kt-kernel, gguf-py, sglang"),
-    # before the downloads: a bad build stops `run` before hours of transfers
-    StageSpec("selftest", ("build",), ("selftest",),
-              summary="kt-kernel MXFP4 MoE vs a numpy reference"),
-    StageSpec("download", (), ("weights",), summary="W8A8 and MXFP4 weights"),
-    StageSpec(
-        "convert",
-        ("download",),
-        ("conversion",),
-        exclude=("conversion.digests", "conversion.digests_manifest",
-                 "conversion.expected_file_bytes"),
-        summary="MXFP4 experts into per-layer GGUF",
-    ),
-    StageSpec("verify-gguf", ("convert",), ("conversion",), summary="sizes, digests, bit-exact"),
-    StageSpec(
-        "serve",
-        ("build", "verify-gguf"),
-        ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template"),
-        summary="the hybrid server, supervised",
-        run_options={"detach": True},
-    ),
-    StageSpec("accept", ("serve",), ("acceptance",), summary="coherence, log markers, tok/s"),
-)
-STAGE_NAMES = tuple(s.name for s in STAGES)
-
-
-def spec(name: str) -> StageSpec:
-    for s in STAGES:
-        if s.name == name:
-            return s
-    raise InputError(f"unknown stage '{name}'; stages are: {', '.join(STAGE_NAMES)}")
-
+from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
+from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
+from dsv4_offload.core.results import StageResult
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import now_iso
 
 # --- fingerprints --------------------------------------------------------------------------
 
@@ -154,7 +99,7 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
 def _runs_in_container(ctx: StageContext, stage: str) -> bool:
     if ctx.recipe.runtime.kind != "container":
         return False  # the common case costs no import
-    from dsv4_offload.container import runs_inside
+    from dsv4_offload.serving.container import runs_inside
 
     return runs_inside(ctx.recipe, stage)
 
@@ -409,7 +354,7 @@ def run_pipeline(
         options = dict(ctx.options)
         options.update(stage.run_options)
         if _runs_in_container(ctx, stage.name):
-            from dsv4_offload.container import run_stage_inside
+            from dsv4_offload.serving.container import run_stage_inside
 
             # the container's own `run` records the stage in the shared state file
             result = run_stage_inside(ctx, stage.name, options)

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import time
 
-from dsv4_offload.errors import InputError
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.workspace.context import StageContext
 
 
 def make(name: str):  # type: ignore[no-untyped-def]

@@ -20,7 +20,7 @@ from dsv4_offload.cli.kit import (
     GlobalOptions,
     report_error,
 )
-from dsv4_offload.errors import Dsv4Error, ExitCode
+from dsv4_offload.core.errors import Dsv4Error, ExitCode
 
 app = typer.Typer(
     name="dsv4-offload",

@@ -8,7 +8,7 @@ from __future__ import annotations
 import typer
 
 from dsv4_offload.cli import complete, kit
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 
 def register(app: typer.Typer) -> None:
@@ -49,7 +49,7 @@ def build(
 
 def _endpoints(values: list[str]) -> str | dict[str, str] | None:
     """`URL` (every hub) or `HUB=URL` (repeatable) into the stage's endpoint option."""
-    from dsv4_offload.hubs import HUBS
+    from dsv4_offload.weights.hubs import HUBS
 
     if not values:
         return None

@@ -78,7 +78,7 @@ def recipes(incomplete: str) -> list[str]:
 
 def stages(incomplete: str) -> list[str]:
     """Pipeline stage names, in order."""
-    from dsv4_offload.pipeline import STAGE_NAMES
+    from dsv4_offload.core.registry import STAGE_NAMES
 
     return [s for s in STAGE_NAMES if s.startswith(incomplete)]
 

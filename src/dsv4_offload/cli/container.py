@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from dsv4_offload.cli.kit import emit, exit_with, load_context, options_of
-from dsv4_offload.errors import ExitCode
+from dsv4_offload.core.errors import ExitCode
 
 container_app = typer.Typer(
     help="The recipe's runtime container (the 910B image): up, exec, status, down.",
@@ -32,8 +32,8 @@ def _plan(ctx: typer.Context, devices: str | None) -> tuple[Any, Any]:
     import os
     from pathlib import Path
 
-    from dsv4_offload.container import plan_container
-    from dsv4_offload.host import HOST_ROOT_ENV
+    from dsv4_offload.core.host import HOST_ROOT_ENV
+    from dsv4_offload.serving.container import plan_container
 
     pctx = load_context(ctx, "container")
     root = os.environ.get(HOST_ROOT_ENV)
@@ -62,7 +62,7 @@ def up(ctx: typer.Context, devices: str | None = _DEVICES) -> None:
        of the running install) are checked inside and installed when missing.
     """
     from dsv4_offload.cli.render import simple_table
-    from dsv4_offload.container import container_up
+    from dsv4_offload.serving.container import container_up
 
     pctx, plan = _plan(ctx, devices)
     with pctx.task(f"container {plan.name}") as task:
@@ -88,8 +88,8 @@ def exec_(
     workspace (mounted at its own path), so its stage records land in the same state file
     and `status` on the host shows them.
     """
-    from dsv4_offload.container import container_up, exec_argv
     from dsv4_offload.recipe import recipe_path
+    from dsv4_offload.serving.container import container_up, exec_argv
 
     pctx, plan = _plan(ctx, devices)
     with pctx.task(f"container {plan.name}") as task:
@@ -103,7 +103,7 @@ def exec_(
     try:
         code = subprocess.call(argv)
     except FileNotFoundError:
-        from dsv4_offload.errors import Dsv4Error
+        from dsv4_offload.core.errors import Dsv4Error
 
         raise Dsv4Error("the docker client is not on PATH; install it") from None
     exit_with(code)
@@ -113,7 +113,7 @@ def exec_(
 def status(ctx: typer.Context, devices: str | None = _DEVICES) -> None:
     """Which container, its image and mounts, whether it matches the recipe, the tool in it."""
     from dsv4_offload.cli.render import simple_table
-    from dsv4_offload.container import container_status
+    from dsv4_offload.serving.container import container_status
 
     _, plan = _plan(ctx, devices)
     st = container_status(plan)
@@ -133,7 +133,7 @@ def status(ctx: typer.Context, devices: str | None = _DEVICES) -> None:
 @container_app.command("down")
 def down(ctx: typer.Context) -> None:
     """Remove the container (the workspace and weights stay on the host)."""
-    from dsv4_offload.container import container_down
+    from dsv4_offload.serving.container import container_down
 
     pctx, plan = _plan(ctx, None)
     removed = container_down(plan, pctx.workspace)
@@ -147,13 +147,13 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
     """Run ``args`` in the recipe's container when ``stage`` last ran there; False when it
     did not (the caller goes on here). The server's pids are the container's: signalling
     them from the host would reach other processes."""
-    from dsv4_offload.container import (
+    from dsv4_offload.recipe import recipe_path
+    from dsv4_offload.serving.container import (
         exec_argv,
         find_container,
         plan_container,
         runs_inside,
     )
-    from dsv4_offload.recipe import recipe_path
 
     record = sctx.workspace.read_state().get("stages", {}).get(stage) or {}
     if not record.get("container") or not runs_inside(sctx.recipe, stage):

@@ -18,9 +18,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from dsv4_offload import crossbuild
-from dsv4_offload.errors import InputError
-from dsv4_offload.workspace import atomic_write_bytes
+from dsv4_offload.build import cross as crossbuild
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.workspace.store import atomic_write_bytes
 
 
 def _say(line: str) -> None:

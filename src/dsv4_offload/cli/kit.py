@@ -12,10 +12,11 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
-from dsv4_offload.errors import Dsv4Error, ExitCode
+from dsv4_offload.core.errors import Dsv4Error, ExitCode
 
 if TYPE_CHECKING:
-    from dsv4_offload.stage import StageContext, StageResult, Status
+    from dsv4_offload.core.results import StageResult, Status
+    from dsv4_offload.workspace.context import StageContext
 
 JSON_SCHEMA = 1
 
@@ -43,14 +44,14 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
                  options: dict[str, Any] | None = None) -> StageContext:
     """Recipe, series and workspace from the global options, as a StageContext."""
     from dsv4_offload.recipe import load_recipe_and_series
-    from dsv4_offload.stage import StageContext
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.context import StageContext
+    from dsv4_offload.workspace.store import Workspace
 
     g = options_of(typer_ctx)
     recipe, series = load_recipe_and_series(g.recipe, g.overrides)
     workspace = Workspace.from_option(g.workspace)
     if any(s.commit_prefix for s in recipe.sources):
-        from dsv4_offload.gitsrc import apply_source_locks
+        from dsv4_offload.sources.git import apply_source_locks
 
         # abbreviated pins take the full SHA fetch locked for this workspace
         apply_source_locks(recipe, workspace.sources_lock_file)
@@ -62,7 +63,7 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
 
 def make_progress(g: GlobalOptions) -> Any:
     from dsv4_offload.cli.render import RichProgress
-    from dsv4_offload.stage import Progress
+    from dsv4_offload.core.results import Progress
 
     if g.quiet or g.json or not sys.stderr.isatty():
         return Progress()

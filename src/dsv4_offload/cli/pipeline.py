@@ -11,7 +11,7 @@ import typer
 
 from dsv4_offload.cli import complete
 from dsv4_offload.cli.kit import emit, emit_result, exit_with, load_context, options_of, run_stage
-from dsv4_offload.errors import ExitCode
+from dsv4_offload.core.errors import ExitCode
 
 
 def register(app: typer.Typer) -> None:

@@ -78,7 +78,7 @@ def recipe_schema(ctx: typer.Context) -> None:
     import json
     import sys
 
-    from dsv4_offload.reference import json_schema
+    from dsv4_offload.acceptance.reference import json_schema
 
     schema = json_schema()
     if options_of(ctx).json:
@@ -91,7 +91,7 @@ def recipe_reference(ctx: typer.Context) -> None:
     """docs/recipe-reference.md, generated from the recipe models (Markdown)."""
     import sys
 
-    from dsv4_offload.reference import reference_markdown
+    from dsv4_offload.acceptance.reference import reference_markdown
 
     text = reference_markdown()
     if options_of(ctx).json:

@@ -20,7 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from dsv4_offload.stage import Progress, StageResult, Status, Task
+from dsv4_offload.core.results import Progress, StageResult, Status, Task
 
 STATUS_STYLE = {
     "ok": "green", "done": "green", "pass": "green", "clean": "green", "skipped": "dim",

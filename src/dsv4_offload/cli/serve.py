@@ -11,7 +11,7 @@ from typing import Any
 import typer
 
 from dsv4_offload.cli import kit
-from dsv4_offload.errors import ExitCode
+from dsv4_offload.core.errors import ExitCode
 
 serve_app = typer.Typer()  # its help is the callback's docstring
 
@@ -83,7 +83,7 @@ def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
     import sys
 
     from dsv4_offload import pipeline
-    from dsv4_offload.stage import Progress
+    from dsv4_offload.core.results import Progress
 
     class _EchoProgress(Progress):
         def message(self, text: str) -> None:
@@ -120,7 +120,7 @@ def serve_status(ctx: typer.Context) -> None:
     """Is the supervised server running and healthy? Exit 0 if so, 1 if not."""
     import requests
 
-    from dsv4_offload import supervisor as sv
+    from dsv4_offload.serving import supervisor as sv
 
     sctx = kit.load_context(ctx, "serve")
     from dsv4_offload.cli.container import forward_into_container
@@ -131,8 +131,8 @@ def serve_status(ctx: typer.Context) -> None:
     data: dict[str, Any] = {"running": alive, **(record.as_dict() if record else {})}
     healthy = False
     if alive and record is not None:
-        from dsv4_offload.errors import InputError
-        from dsv4_offload.probes import api_key_headers
+        from dsv4_offload.acceptance.probes import api_key_headers
+        from dsv4_offload.core.errors import InputError
 
         try:
             headers = api_key_headers((record.extra or {}).get("api_key_file"))
@@ -167,8 +167,8 @@ def serve_logs(
     """The server's log: the last lines, and with -f the new ones until Ctrl-C."""
     import sys
 
-    from dsv4_offload import supervisor as sv
-    from dsv4_offload.errors import InputError
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.serving import supervisor as sv
     from dsv4_offload.stages import serve as serve_stage
 
     sctx = kit.load_context(ctx, "serve")
@@ -205,7 +205,7 @@ def serve_logs(
 @serve_app.command("stop")
 def serve_stop(ctx: typer.Context) -> None:
     """Stop the server: SIGINT, then SIGTERM, then SIGKILL on its process group."""
-    from dsv4_offload import supervisor as sv
+    from dsv4_offload.serving import supervisor as sv
 
     sctx = kit.load_context(ctx, "serve")
     from dsv4_offload.cli.container import forward_into_container

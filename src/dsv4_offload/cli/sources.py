@@ -10,7 +10,7 @@ from typing import Any
 import typer
 
 from dsv4_offload.cli import complete, kit
-from dsv4_offload.errors import ExitCode
+from dsv4_offload.core.errors import ExitCode
 
 patch_app = typer.Typer(help="Apply, check, inspect, reset and refresh the patch series.")
 
@@ -80,7 +80,7 @@ def patch_status(ctx: typer.Context) -> None:
     """Per patch: applied / not-applied / changed (since applied) / missing."""
     from collections import Counter
 
-    from dsv4_offload import series as series_ops
+    from dsv4_offload.sources import series as series_ops
 
     pctx = kit.load_context(ctx, "patch")
     rows = series_ops.series_status(pctx.recipe, pctx.series, pctx.workspace)
@@ -104,7 +104,7 @@ def patch_reset(
                                help="Also reset over local edits (kept under a ref)."),
 ) -> None:
     """Back to the pinned commit; the patched state stays under refs/dsv4/patched-<time>."""
-    from dsv4_offload import series as series_ops
+    from dsv4_offload.sources import series as series_ops
 
     pctx = kit.load_context(ctx, "patch")
     log = pctx.log_dir / "reset.log"
@@ -135,7 +135,7 @@ def patch_refresh(
     For maintainers: edit the tree, amend the patch's commit, run refresh, commit the
     patch file and the series.
     """
-    from dsv4_offload import series as series_ops
+    from dsv4_offload.sources import series as series_ops
 
     pctx = kit.load_context(ctx, "patch")
     with pctx.workspace.lock("patch refresh"):
@@ -164,7 +164,7 @@ def patch_audit(ctx: typer.Context) -> None:
     4. A required marker nothing prints is an error (exit 1); a forbidden or fatal one a
        warning; a marker whose tree is not fetched is 'unchecked', never passed.
     """
-    from dsv4_offload import gitsrc
+    from dsv4_offload.sources import git as gitsrc
 
     pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
@@ -176,7 +176,7 @@ def patch_audit(ctx: typer.Context) -> None:
 
 
 def _audit(pctx: Any) -> Any:
-    from dsv4_offload import audit
+    from dsv4_offload.sources import audit
 
     return audit.audit(pctx.recipe, pctx.series,
                        audit.workspace_dirs(pctx.recipe, pctx.workspace))
@@ -188,7 +188,7 @@ def _audit_table(report: Any) -> Any:
 
 
 def _audit_errors(report: Any) -> list[str]:
-    from dsv4_offload import audit
+    from dsv4_offload.sources import audit
 
     return [f"error: {i.owner}: '{i.marker}': {i.detail}; fix: {audit.refusal_fix(i)}"
             for i in report.errors()]
@@ -229,9 +229,10 @@ def patch_check(
     """
     from pathlib import Path
 
-    from dsv4_offload import gitsrc
-    from dsv4_offload import series as series_ops
-    from dsv4_offload.errors import InputError
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.sources import check as series_check
+    from dsv4_offload.sources import git as gitsrc
+    from dsv4_offload.sources import series as series_ops
 
     pctx = kit.load_context(ctx, "patch")
     gitsrc.require_git()
@@ -248,13 +249,13 @@ def patch_check(
         revs[name] = ref
     mirrors = gitsrc.mirrors_from(mirror, pctx.recipe)
     log = pctx.log_dir / "check.log"
-    report = series_ops.check_series(pctx.recipe, pctx.series, log, mirrors=mirrors,
+    report = series_check.check_series(pctx.recipe, pctx.series, log, mirrors=mirrors,
                                      revs=revs, only=_split(only) or None)
     if junit:
-        series_ops.write_report(Path(junit), series_ops.junit_xml(report))
+        series_ops.write_report(Path(junit), series_check.junit_xml(report))
     if markdown:
         series_ops.write_report(Path(markdown),
-                                series_ops.markdown_summary(report).encode("utf-8"))
+                                series_check.markdown_summary(report).encode("utf-8"))
     data: dict[str, Any] = report.as_dict()
     data["log"] = str(log)
     # the markers against the workspace's patched trees (unchecked where none is laid out)
@@ -300,8 +301,9 @@ def patch_rebase(
     """
     from pathlib import Path
 
-    from dsv4_offload import carry, gitsrc
-    from dsv4_offload.errors import InputError
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.sources import carry
+    from dsv4_offload.sources import git as gitsrc
 
     pctx = kit.load_context(ctx, "patch")
     if cont + abort + (spec is not None) != 1:
@@ -346,8 +348,8 @@ def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
             markdown: str | None, mirrors: dict[str, list[str]]) -> None:
     from pathlib import Path
 
-    from dsv4_offload import carry
-    from dsv4_offload import series as series_ops
+    from dsv4_offload.sources import carry
+    from dsv4_offload.sources import series as series_ops
 
     log = pctx.log_dir / "bisect.log"
     reports = []

@@ -4,7 +4,7 @@
    binds to the interpreter that builds it); steps that compile natively (``build_ext``)
    need cmake, a C compiler and the hwloc/numa headers.
    Then `patch audit` of the steps' markers: a required marker that no file of its tree
-   can print (:mod:`dsv4_offload.audit`) refuses the build before anything compiles.
+   can print (:mod:`dsv4_offload.sources.audit`) refuses the build before anything compiles.
 2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
    ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python
    (``{tool_python}``, ``{workspace}`` and more: see ``bringup.Placeholders``), its output in
@@ -34,12 +34,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload import bringup, gitsrc
-from dsv4_offload.errors import InputError
+from dsv4_offload.build import bringup
+from dsv4_offload.build.bringup import KT_KERNEL_STEP
+from dsv4_offload.build.interpreter import build_python
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe import BuildStep, Recipe
-from dsv4_offload.runner import failure_excerpt, run_command
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.workspace import Workspace, read_json
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.runner import failure_excerpt, run_command
+from dsv4_offload.workspace.store import Workspace, read_json
 
 # the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)
 NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
@@ -47,7 +51,6 @@ NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
 # compilers a step may call by name that do not come from apt (bisheng ships with CANN)
 TOOLS_BY_NAME = ("bisheng", "cmake", "ninja", "make")
 PRODUCT_GLOBS = ("*kt_kernel_ext*.so", "libmxfp4fused.so")
-KT_KERNEL_STEP = "kt-kernel"
 KT_KERNEL_PACKAGE = ("kt_kernel", "python")  # `import kt_kernel` = kt-kernel/python
 RUNTIME_STEPS = ("kt-kernel", "sglang")  # their workdirs go on the server's PYTHONPATH
 _QUICK_TIMEOUT_S = 60.0
@@ -146,13 +149,6 @@ class StepReport:
 
 
 # --- facts shared with other stages ---------------------------------------------------------
-
-
-def build_python(ctx: StageContext) -> str:
-    """The workspace's one interpreter (interpreter.chosen_python), else the recipe's."""
-    from dsv4_offload.interpreter import chosen_python
-
-    return chosen_python(ctx, fallback=ctx.recipe.build.python).path
 
 
 def runtime_pythonpath(workspace: Workspace, recipe: Recipe) -> list[Path]:
@@ -274,7 +270,7 @@ def marker_audit(ctx: StageContext, steps: list[BuildStep], data: dict[str, Any]
                  ) -> list[Problem]:
     """`patch audit` of the steps' markers: a required one no file can print refuses the build
     before hours of compiling end in 'expected log marker not found'."""
-    from dsv4_offload import audit
+    from dsv4_offload.sources import audit
 
     try:
         report = audit.audit(ctx.recipe, ctx.series, audit.workspace_dirs(

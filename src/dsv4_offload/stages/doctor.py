@@ -13,7 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dsv4_offload.host import (
+from dsv4_offload.core.host import (
     HostFacts,
     NpuInfo,
     choose_npu,
@@ -24,9 +24,10 @@ from dsv4_offload.host import (
     version_at_least,
     visible_device,
 )
+from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.workspace import atomic_write_json, now_iso
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import atomic_write_json, now_iso
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024**3
@@ -269,7 +270,7 @@ def check_page_cache(recipe: Recipe, facts: HostFacts) -> Check:
 
 def check_serve_bind(recipe: Recipe) -> Check:
     """The delivery binds 0.0.0.0 with no key; say so unless a key or loopback is set."""
-    from dsv4_offload.serveplan import is_loopback
+    from dsv4_offload.serving.plan import is_loopback
 
     serve = recipe.serve
     required = "an API key (serve --api-key-file) or a loopback bind"
@@ -283,8 +284,8 @@ def check_serve_bind(recipe: Recipe) -> Check:
 
 def check_python(ctx: StageContext, facts: HostFacts) -> Check:
     """Which interpreter build, selftest and serve use, and why (python_env.sh's choice)."""
-    from dsv4_offload.errors import InputError
-    from dsv4_offload.interpreter import REQUIRED_MODULES, chosen_python
+    from dsv4_offload.build.interpreter import REQUIRED_MODULES, chosen_python
+    from dsv4_offload.core.errors import InputError
 
     required = f"one python that imports {' '.join(REQUIRED_MODULES)}"
     if facts.root != "/":
@@ -558,9 +559,9 @@ class RuntimeFacts:
 def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     """Ask docker about the recipe's image only on a live aarch64 host with a docker client
     (a captured sysroot has no engine to ask, and the image is arm64)."""
-    from dsv4_offload import container
-    from dsv4_offload.errors import Dsv4Error
-    from dsv4_offload.host import HOST_ROOT_ENV
+    from dsv4_offload.core.errors import Dsv4Error
+    from dsv4_offload.core.host import HOST_ROOT_ENV
+    from dsv4_offload.serving import container
 
     rf = RuntimeFacts(inside=container.inside_container())
     runtime = recipe.runtime

@@ -12,9 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload import gitsrc
-from dsv4_offload.errors import Dsv4Error
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.core.errors import Dsv4Error
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.workspace.context import StageContext
 
 
 def run(ctx: StageContext) -> StageResult:

@@ -8,9 +8,10 @@
 
 from __future__ import annotations
 
-from dsv4_offload import gitsrc
-from dsv4_offload import series as series_ops
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.sources import series as series_ops
+from dsv4_offload.workspace.context import StageContext
 
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:

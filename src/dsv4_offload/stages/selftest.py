@@ -23,17 +23,18 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import bringup
-from dsv4_offload.errors import InputError
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
+from dsv4_offload.build import bringup
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.workspace.context import StageContext
 
 if TYPE_CHECKING:
     import numpy as np
 
-    from dsv4_offload.moecheck import Verdict
+    from dsv4_offload.build.moecheck import Verdict
     from dsv4_offload.recipe import Recipe, Selftest
 
-CHILD = Path(__file__).resolve().parent.parent / "selftest_child.py"
+CHILD = Path(__file__).resolve().parent.parent / "build" / "selftest_child.py"
 LAYER = 0
 # E8M0 bytes of the synthetic layer: scales 2^-8 .. 2^-3 keep the MoE's sums near 1, far
 # from bf16 overflow and from the E8M0 0/1 values kt-kernel flushes to zero (fast-math)
@@ -51,7 +52,7 @@ def selftest_dir(ctx: StageContext) -> Path:
 def module_dir(ctx: StageContext) -> Path:
     """Where ``kt_kernel_ext*.so`` is: ``selftest.module_dir``, else kt-kernel's python dir
     (the in-place build's)."""
-    from dsv4_offload.stages.build import KT_KERNEL_STEP
+    from dsv4_offload.build.bringup import KT_KERNEL_STEP
 
     if ctx.recipe.selftest.module_dir is not None:
         return ctx.workspace.root / ctx.recipe.selftest.module_dir
@@ -68,7 +69,7 @@ def extension_files(directory: Path) -> list[Path]:
 
 def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str, str]]:
     """The child's command line and environment: native build python, or emulated."""
-    from dsv4_offload.stages.build import build_python
+    from dsv4_offload.build.interpreter import build_python
 
     test = ctx.recipe.selftest
     env = dict(os.environ)
@@ -116,9 +117,9 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 def write_layer(recipe: Recipe, test: Selftest, root: Path) -> tuple[Path, Path]:
     """(checkpoint dir, GGUF file) of the synthetic layer, written afresh under ``root``."""
-    from dsv4_offload.checkpoint import MoeDims, write_synthetic_checkpoint
-    from dsv4_offload.gguf_io import LayerLayout
-    from dsv4_offload.stages.convert import convert_layer
+    from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
+    from dsv4_offload.weights.convert import convert_layer
+    from dsv4_offload.weights.gguf_io import LayerLayout
 
     dims = MoeDims(1, test.experts, test.top_k, test.hidden, test.intermediate)
     if root.exists():
@@ -137,8 +138,8 @@ def source_experts(checkpoint: Path) -> dict[str, np.ndarray]:
     """gate/up [E,I,H] and down [E,H,I] in float32, dequantized from the checkpoint."""
     import numpy as np
 
-    from dsv4_offload import mxfp4
-    from dsv4_offload.checkpoint import PROJECTIONS, Checkpoint
+    from dsv4_offload.weights import mxfp4
+    from dsv4_offload.weights.checkpoint import PROJECTIONS, Checkpoint
 
     roles = dict(PROJECTIONS)
     out: dict[str, np.ndarray] = {}
@@ -159,7 +160,7 @@ def make_inputs(test: Selftest, tokens: int, seed: int) -> dict[str, np.ndarray]
     """bf16 activations, distinct top-k expert ids and positive routing weights."""
     import numpy as np
 
-    from dsv4_offload.moecheck import to_bf16_bits
+    from dsv4_offload.build.moecheck import to_bf16_bits
 
     rng = np.random.default_rng([test.seed, seed, tokens])
     x = to_bf16_bits(rng.standard_normal((tokens, test.hidden), dtype=np.float32))
@@ -174,8 +175,8 @@ def make_inputs(test: Selftest, tokens: int, seed: int) -> dict[str, np.ndarray]
 
 def built_features(ctx: StageContext) -> set[str] | None:
     """The build's ``-march`` extensions: its configure line, else the step's ARM switches."""
-    from dsv4_offload.moecheck import march_features
-    from dsv4_offload.stages.build import KT_KERNEL_STEP
+    from dsv4_offload.build.bringup import KT_KERNEL_STEP
+    from dsv4_offload.build.moecheck import march_features
 
     log = ctx.workspace.log_dir("build") / f"{KT_KERNEL_STEP}.log"
     if log.is_file():
@@ -195,8 +196,8 @@ def run_one(ctx: StageContext, tokens: int, index: int, root: Path, gguf: Path,
             experts: dict[str, np.ndarray], built: set[str] | None) -> Verdict:
     import numpy as np
 
-    from dsv4_offload.moecheck import RunFacts, from_bf16_bits, judge, reference_moe
-    from dsv4_offload.runner import run_command
+    from dsv4_offload.build.moecheck import RunFacts, from_bf16_bits, judge, reference_moe
+    from dsv4_offload.workspace.runner import run_command
 
     test = ctx.recipe.selftest
     work = root / f"run-{index}-{tokens}"

@@ -13,9 +13,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload import supervisor as sv
-from dsv4_offload.errors import Dsv4Error, InputError
-from dsv4_offload.serveplan import (
+from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.serving import supervisor as sv
+from dsv4_offload.serving.plan import (
     ServePlan,
     atb_set_env,
     build_plan,
@@ -24,15 +25,15 @@ from dsv4_offload.serveplan import (
     inherited_env,
     toolkit_home,
 )
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.workspace import atomic_write_json, now_iso, read_json
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import atomic_write_json, now_iso, read_json
 
 
 def host_facts(ctx: StageContext) -> Any:
     facts = ctx.options.get("host_facts")
     if facts is not None:
         return facts
-    from dsv4_offload.host import probe_host
+    from dsv4_offload.core.host import probe_host
 
     return probe_host(ctx.workspace.root)
 
@@ -93,7 +94,7 @@ def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
     serve = ctx.recipe.serve
     if serve.command is not None and not any("{python}" in c for c in serve.command):
         return serve.python, "recipe", ""
-    from dsv4_offload.interpreter import chosen_python
+    from dsv4_offload.build.interpreter import chosen_python
 
     try:
         choice = chosen_python(ctx, record=strict)
@@ -185,8 +186,8 @@ def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
     """Read the GGUF set into the page cache before loading, when memory can hold it."""
     if not ctx.option("warm", True):
         return None
-    from dsv4_offload import pagecache
-    from dsv4_offload.serveplan import LAYER_PLACEHOLDER, weight_template
+    from dsv4_offload.serving import pagecache
+    from dsv4_offload.serving.plan import LAYER_PLACEHOLDER, weight_template
 
     template = weight_template(ctx.workspace, ctx.recipe)
     paths = [Path(template.replace(LAYER_PLACEHOLDER, str(i)))
@@ -219,7 +220,7 @@ def _first_rung(ctx: StageContext) -> tuple[int | None, str | None]:
 
     None: the plan's own value (the environment's KT_NUM_GPU_EXPERTS, else the recipe's).
     """
-    from dsv4_offload.serveplan import inherited_env
+    from dsv4_offload.serving.plan import inherited_env
 
     if inherited_env().get("KT_NUM_GPU_EXPERTS"):
         return None, None  # an exported value is the user's explicit choice
@@ -293,7 +294,7 @@ def _detached_exit(record_path: Path, supervisor_pid: int) -> Any:
 def _wait(ctx: StageContext, plan: ServePlan, follower: sv.LogFollower, exit_code: Any
           ) -> sv.Readiness:
     serve = ctx.recipe.serve
-    from dsv4_offload.probes import api_key_headers
+    from dsv4_offload.acceptance.probes import api_key_headers
 
     headers = api_key_headers(plan.api_key_file)
     with ctx.task(f"waiting for {plan.url} (up to {serve.readiness_timeout_s:.0f}s)",

@@ -23,9 +23,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.errors import InputError
-from dsv4_offload.stage import Problem, StageContext, StageResult, Status
-from dsv4_offload.stages.convert import default_jobs, gguf_dir, parse_layers, source_dir
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.weights.convert import default_jobs, gguf_dir, parse_layers, source_dir
+from dsv4_offload.workspace.context import StageContext
 
 HASH_CHUNK = 16 * 2**20
 MAX_DIFFS_PER_LAYER = 8
@@ -59,7 +60,7 @@ def _redo(layer: int) -> str:
 
 def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report) -> None:
     """Presence, exact size and header structure of every file."""
-    from dsv4_offload.gguf_io import structural_problems
+    from dsv4_offload.weights.gguf_io import structural_problems
 
     for layer, layout in layouts.items():
         path = paths[layer]
@@ -125,7 +126,7 @@ def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, 
 def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
                      out_dir: Path) -> tuple[dict[str, str] | None, str]:
     """(file name -> digest, where they come from), or (None, why not) if there are none."""
-    from dsv4_offload.gguf_io import OWN_MANIFEST, parse_manifest, read_own_manifest
+    from dsv4_offload.weights.gguf_io import OWN_MANIFEST, parse_manifest, read_own_manifest
 
     manifest = ctx.option("manifest")
     if manifest:
@@ -153,7 +154,7 @@ def check_delivery_manifest(ctx: StageContext) -> Path | None:
     manifest file is in the workspace too, a disagreement means the recipe was edited
     wrongly, and which one to trust is the user's call.
     """
-    from dsv4_offload.gguf_io import parse_manifest
+    from dsv4_offload.weights.gguf_io import parse_manifest
 
     conv = ctx.recipe.conversion
     pinned = conv.digests_manifest
@@ -205,7 +206,7 @@ def _equal(a: Any, b: Any) -> bool:
 def _describe_diff(layer: int, tensor: Any, expert: int, got: Any, want: Any) -> str:
     import numpy as np
 
-    from dsv4_offload import mxfp4
+    from dsv4_offload.weights import mxfp4
 
     rows_got = got.reshape(tensor.rows, tensor.row_bytes)
     rows_want = want.reshape(tensor.rows, tensor.row_bytes)
@@ -228,7 +229,7 @@ def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
     """Bit-exact comparison of one layer file with the repacked source; returns differences."""
     import numpy as np
 
-    from dsv4_offload import mxfp4
+    from dsv4_offload.weights import mxfp4
 
     entries = ckpt.layer_tensors(layout.layer)
     experts = layout.dims.experts
@@ -310,8 +311,8 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> StageResult:
-    from dsv4_offload.checkpoint import CONFIG_FILE, parse_config
-    from dsv4_offload.gguf_io import LayerLayout, recipe_dims, write_own_manifest
+    from dsv4_offload.weights.checkpoint import CONFIG_FILE, parse_config
+    from dsv4_offload.weights.gguf_io import LayerLayout, recipe_dims, write_own_manifest
 
     conv = ctx.recipe.conversion
     out_dir, source = gguf_dir(ctx), source_dir(ctx)
@@ -381,7 +382,7 @@ def _level2(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
 def _level3(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
             source: Path | None, jobs: int, report: Report) -> None:
     """Compare --deep N evenly spaced layers bit for bit with the repacked source."""
-    from dsv4_offload.checkpoint import Checkpoint
+    from dsv4_offload.weights.checkpoint import Checkpoint
 
     deep_option = ctx.option("deep")
     chosen = deep_layers(list(layouts), 1 if deep_option is None else int(deep_option))

@@ -33,12 +33,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, recipe_path, resolve_recipe_path
-from dsv4_offload.workspace import HANDOFF_ENV, Workspace
+from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
 if TYPE_CHECKING:
-    from dsv4_offload.stage import StageContext, StageResult, Task
+    from dsv4_offload.core.results import StageResult, Task
+    from dsv4_offload.workspace.context import StageContext
 
 LABEL = "dsv4-offload.config"
 IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by `container exec`: this process is inside
@@ -198,7 +199,7 @@ def docker_query(args: list[str]) -> tuple[int, str]:
 
 def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) -> None:
     """A docker command whose output goes to the log; a failure names ``what`` failed."""
-    from dsv4_offload.runner import CommandFailed, run_command
+    from dsv4_offload.workspace.runner import CommandFailed, run_command
 
     def on_line(line: str) -> None:
         if task is not None:
@@ -471,7 +472,7 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
     The inner `run --from S --to S --force S` records the stage in the shared state file
     itself; the host only reads back what it printed.
     """
-    from dsv4_offload.stage import Problem, StageResult, Status
+    from dsv4_offload.core.results import Problem, StageResult, Status
 
     plan = plan_container(ctx.recipe, ctx.workspace, devices=options.get("devices"))
     with ctx.task(f"container {plan.name}") as task:

@@ -18,14 +18,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import bringup
-from dsv4_offload.errors import Dsv4Error, InputError
-from dsv4_offload.host import choose_npu
+from dsv4_offload.build import bringup
+from dsv4_offload.build.interpreter import server_pythonpath
+from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.host import choose_npu
 
 if TYPE_CHECKING:
-    from dsv4_offload.host import HostFacts, NpuInfo
+    from dsv4_offload.core.host import HostFacts, NpuInfo
     from dsv4_offload.recipe import Recipe, Serve
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.store import Workspace
 
 # kt-kernel substitutes this itself, once per layer: it must reach the server unexpanded.
 LAYER_PLACEHOLDER = "{layer_idx}"
@@ -317,16 +318,6 @@ def cann_scripts(serve: Serve, toolkit: str | None,
             continue
         out.append(Path(item.replace("{toolkit}", toolkit).replace("{ascend_root}", str(root))))
     return out
-
-
-def launcher_pythonpath(tree: Path) -> list[str]:
-    """The launcher's PYTHONPATH head for the ktransformers tree ``tree``, in its order.
-
-    ensure_kt_kernel.sh L24 puts sglang/python and kt-kernel first, then the launcher's L46
-    puts sglang/python and kt-kernel/python before those: the result repeats sglang/python.
-    """
-    sglang = str(tree / "third_party" / "sglang" / "python")
-    return [sglang, str(tree / "kt-kernel" / "python"), sglang, str(tree / "kt-kernel")]
 
 
 def op_dir(workspace: Workspace, recipe: Recipe, env: Mapping[str, str]) -> tuple[Path, str]:
@@ -707,10 +698,8 @@ def build_plan(
     elif depool and ops_origin == ENVIRONMENT:
         origins[OP_DIR_ENV] = ENVIRONMENT
 
-    pythonpath = launcher_pythonpath(workspace.tree_dir(recipe))
-    if base_env.get("PYTHONPATH"):
-        pythonpath.append(base_env["PYTHONPATH"])
-    derived_env["PYTHONPATH"] = os.pathsep.join(pythonpath)
+    derived_env["PYTHONPATH"] = server_pythonpath(workspace.tree_dir(recipe),
+                                                  base_env.get("PYTHONPATH"))
     origins["PYTHONPATH"] = f"{WORKSPACE} (launcher order, L24 + L46)"
     if not own_command:
         derived_env["PYTHON_BIN"] = python  # the launcher exports its choice (L56)
@@ -795,7 +784,7 @@ def capture_script_env(scripts: Sequence[Path], base_env: Mapping[str, str], *,
     after = _bash_env(body, [str(p) for p in present], base_env, timeout)
     diff = {k: v for k, v in after.items() if k not in _SHELL_NOISE and before.get(k) != v}
     if cache:
-        from dsv4_offload.workspace import atomic_write_json
+        from dsv4_offload.workspace.store import atomic_write_json
 
         atomic_write_json(cache, diff)
     return diff

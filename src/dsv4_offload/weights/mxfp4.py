@@ -78,7 +78,7 @@ def native_repack() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 def _load_kernel() -> tuple[Callable[..., None] | None, str]:
     if os.environ.get(KERNEL_ENV, "").lower() == "numpy":
         return None, f"numpy ({KERNEL_ENV}=numpy)"
-    from dsv4_offload.gitsrc import cache_root
+    from dsv4_offload.workspace.store import cache_root
 
     source = KERNEL_SOURCE.read_bytes()
     tag = hashlib.sha256(source + platform.machine().encode()).hexdigest()[:16]

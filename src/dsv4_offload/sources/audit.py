@@ -33,7 +33,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from dsv4_offload.recipe import BuildStep, Recipe, Series
-from dsv4_offload.workspace import Workspace
+from dsv4_offload.workspace.store import Workspace
 
 CMAKE_STATUS = "-- "  # CMake's message(STATUS ...) prefix: printed, not in the source
 MIN_RUN = 4  # shorter literal runs ('-- ', 'ON', '=') are everywhere: they prove nothing
@@ -263,7 +263,7 @@ def serve_tree(recipe: Recipe, series: Series) -> list[Scope]:
 
 def fatal_patterns() -> list[tuple[str, str, int]]:
     """(key, pattern, flags) of the supervisor's fatal lines."""
-    from dsv4_offload.supervisor import FATAL_PATTERNS
+    from dsv4_offload.serving.supervisor import FATAL_PATTERNS
 
     return [(f.key, f.pattern.pattern, f.pattern.flags & re.IGNORECASE)
             for f in FATAL_PATTERNS]

@@ -1,5 +1,5 @@
-"""The patch series against real trees: load and verify, classify, apply, status, reset,
-refresh and the CI check.
+"""The patch series against real trees: load and verify, classify, apply, status, reset
+and refresh (the CI check is ``sources.check``).
 
 "What is applied" is git history: each patch is one commit on top of the pinned commit,
 with trailers naming the patch, its sha256 and where it came from. Commits carry a fixed
@@ -14,21 +14,20 @@ import re
 import shutil
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import gitsrc
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import series_path
-from dsv4_offload.runner import CommandFailed, run_command
-from dsv4_offload.workspace import atomic_write_bytes
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.workspace.runner import CommandFailed, run_command
+from dsv4_offload.workspace.store import atomic_write_bytes
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import PatchEntry, Recipe, Series, Source
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.store import Workspace
 
 TRAILER_NAME = gitsrc.PATCH_TRAILER
 TRAILER_SHA = "Dsv4-Patch-Sha256"
@@ -664,113 +663,6 @@ def refresh_series(recipe: Recipe, series: Series, ws: Workspace,
         row.update(result="refreshed", old_sha256=entry.sha256, sha256=new,
                    detail=f"re-apply to record it: patch reset {entry.target} && patch apply")
     return rows
-
-
-# --- check (CI) ----------------------------------------------------------------------------
-
-
-@dataclass
-class CheckRow:
-    name: str
-    target: str
-    base: str
-    status: str
-    detail: str = ""
-    hunks: list[str] = field(default_factory=list)
-    seconds: float = 0.0
-
-
-@dataclass
-class CheckReport:
-    rows: list[CheckRow]
-    bases: dict[str, str]
-
-    @property
-    def ok(self) -> bool:
-        return bool(self.rows) and all(r.status == CLEAN for r in self.rows)
-
-    def counts(self) -> dict[str, int]:
-        return dict(Counter(r.status for r in self.rows))
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "counts": self.counts(), "bases": self.bases,
-                "patches": [asdict(r) for r in self.rows]}
-
-
-def check_series(recipe: Recipe, series: Series, log: Path, *,
-                 mirrors: dict[str, list[str]] | None = None,
-                 revs: dict[str, str] | None = None,
-                 only: Sequence[str] | None = None) -> CheckReport:
-    """Try the series against each target's commit in a temporary index of the cache (no
-    checkout, only the touched files' blobs read); never touches a workspace."""
-    from dsv4_offload.indexcheck import IndexTree, check_and_carry
-
-    revs = dict(revs or {})
-    targets = series_targets(series, only)
-    for t in revs:
-        if t not in series_targets(series):
-            raise InputError(f"--rev {t}=...: not a target of series '{series.name}'")
-    entries = [p for p in series.patches if p.target in targets]
-    origins = dict.fromkeys(e.origin.source for e in entries if e.origin.source)
-    for name in origins:
-        assert name is not None
-        gitsrc.fetch_commit(recipe.source(name), log=log, mirrors=mirrors)
-    loaded = load_patches(entries, recipe, series, None)
-    rows: list[CheckRow] = []
-    bases: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="dsv4-check-") as tmp:
-        for target in targets:
-            source = recipe.source(target)
-            if target in revs:
-                base = gitsrc.resolve_remote_ref(source, revs[target], log=log, mirrors=mirrors)
-            else:
-                base = gitsrc.fetch_commit(source, log=log, mirrors=mirrors).commit
-            bases[target] = base
-            tree = IndexTree(gitsrc.cache_repo_path(target), base, Path(tmp) / target, log)
-            for patch in (p for p in loaded if p.entry.target == target):
-                c, seconds = check_and_carry(tree, patch.entry, patch.write_to(Path(tmp)))
-                rows.append(CheckRow(patch.entry.name, target, base, c.status, c.detail,
-                                     c.hunks, seconds))
-    return CheckReport(rows, bases)
-
-
-def junit_xml(report: CheckReport) -> bytes:
-    """One testcase per patch; anything but clean is a failure (the CI exit code agrees)."""
-    import xml.etree.ElementTree as ET
-
-    counts = report.counts()
-    failures = sum(n for s, n in counts.items() if s != CLEAN)
-    suite = ET.Element("testsuite", name="dsv4-offload patch check", tests=str(len(report.rows)),
-                       failures=str(failures), errors="0",
-                       time=f"{sum(r.seconds for r in report.rows):.3f}")
-    for r in report.rows:
-        case = ET.SubElement(suite, "testcase", classname=f"patch.{r.target}", name=r.name,
-                             time=f"{r.seconds:.3f}")
-        if r.status != CLEAN:
-            fail = ET.SubElement(case, "failure", type=r.status,
-                                 message=f"{r.status}: {r.detail}"[:500])
-            fail.text = "\n".join([f"base {r.base}", r.detail, *r.hunks])
-    suites = ET.Element("testsuites")
-    suites.append(suite)
-    ET.indent(suites)
-    return ET.tostring(suites, encoding="utf-8", xml_declaration=True) + b"\n"
-
-
-_MARK = {CLEAN: "✅ clean", OFFSET: "⚠️ offset", FUZZ: "⚠️ fuzz", FAILS: "❌ fails",
-         UPSTREAM: "ℹ️ already upstream"}
-
-
-def markdown_summary(report: CheckReport) -> str:
-    """A table for a CI step summary."""
-    counts = ", ".join(f"{n} {s}" for s, n in report.counts().items())
-    head = "passed" if report.ok else "FAILED"
-    lines = [f"## Patch series check: {head}", "", f"{len(report.rows)} patches: {counts}", "",
-             "| patch | target | base | result | detail |", "|---|---|---|---|---|"]
-    for r in report.rows:
-        detail = (r.detail or "").replace("|", "\\|")
-        lines.append(f"| `{r.name}` | {r.target} | `{r.base[:12]}` | "
-                     f"{_MARK.get(r.status, r.status)} | {detail} |")
-    return "\n".join(lines) + "\n"
 
 
 def write_report(path: Path, data: bytes) -> None:

@@ -1,23 +1,15 @@
-"""What every stage takes and returns: the context and the result object.
+"""What every stage returns and reports: the result, its findings, progress.
 
 A stage module (``dsv4_offload.stages.<name>``) exposes ``run(ctx: StageContext) ->
-StageResult`` and may expose ``fingerprint_inputs(ctx) -> dict[str, str]`` for inputs
-beyond its recipe sections (file stats, tool versions). Stages never print: they report
-progress through ``ctx.progress`` and return data; the CLI renders.
+StageResult`` (the context is ``dsv4_offload.workspace.context``). Stages never print: they
+report progress through ``ctx.progress`` and return data; the CLI renders.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from dsv4_offload.recipe import Recipe, Series
-    from dsv4_offload.workspace import Workspace
+from typing import Any
 
 
 class Status(str, enum.Enum):
@@ -112,31 +104,3 @@ class Task:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-@dataclass
-class StageContext:
-    recipe: Recipe
-    series: Series
-    workspace: Workspace
-    options: dict[str, Any] = field(default_factory=dict)
-    progress: Progress = field(default_factory=Progress)
-    stage: str = ""
-    verbose: bool = False
-
-    @property
-    def log_dir(self) -> Path:
-        return self.workspace.log_dir(self.stage)
-
-    def option(self, name: str, default: Any = None) -> Any:
-        value = self.options.get(name)
-        return default if value is None else value
-
-    @contextmanager
-    def task(self, description: str, total: float | None = None, unit: str = "") -> Iterator[Task]:
-        t = self.progress.task(description, total, unit)
-        try:
-            yield t
-        finally:
-            t.close()
-

@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import gitsrc
-from dsv4_offload.runner import run_command
-from dsv4_offload.series import (
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.sources.series import (
     _GNU_FUZZ,
     CHECK_FUZZ,
     CLEAN,
@@ -31,6 +30,7 @@ from dsv4_offload.series import (
     method_of,
     parse_rejected,
 )
+from dsv4_offload.workspace.runner import run_command
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import PatchEntry

@@ -23,9 +23,10 @@ from pydantic import (
     model_validator,
 )
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.registry import STAGE_NAMES
 
-DATA_DIR = Path(__file__).parent / "data"
+DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BUNDLED_RECIPES = DATA_DIR / "recipes"
 BUNDLED_SERIES = DATA_DIR / "patches"
 DEFAULT_RECIPE = "dsv4-flash-910b"
@@ -803,8 +804,6 @@ class Recipe(Strict):
         for s in self.sources:
             if s.submodule_of is not None and s.submodule_of not in names:
                 raise ValueError(f"source '{s.name}': submodule_of '{s.submodule_of}' is unknown")
-        from dsv4_offload.pipeline import STAGE_NAMES  # the pipeline owns the stage names
-
         missing = [t for t in self.series_targets if t not in names]
         if missing:
             raise ValueError(f"series_targets: '{missing[0]}' is not a source name; use one "

@@ -24,15 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:
     import git
 
+    from dsv4_offload.core.results import Task
     from dsv4_offload.recipe import Recipe, Source
-    from dsv4_offload.stage import Task
 
-CACHE_ENV = "DSV4_CACHE"
 MIRRORS_ENV = "DSV4_MIRRORS"
 PIN_REF_PREFIX = "refs/dsv4/pins/"
 PINNED_REF = "refs/dsv4/pinned"  # in a checkout: the commit the recipe pins
@@ -48,14 +48,6 @@ _UNITS = {"bytes": 1, "KiB": 1024, "MiB": 1024**2, "GiB": 1024**3}
 
 
 # --- where things live ---------------------------------------------------------------------
-
-
-def cache_root() -> Path:
-    """``$DSV4_CACHE`` or ``~/.cache/dsv4-offload``: shared by every workspace of the user."""
-    base = os.environ.get(CACHE_ENV) or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4-offload"
-    )
-    return Path(base).expanduser().absolute()
 
 
 def cache_repo_path(name: str) -> Path:
@@ -234,7 +226,7 @@ def _progress_reader(task: Task | None, received: list[int]) -> Callable[[str], 
 
 
 def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[bool, str, int]:
-    from dsv4_offload.runner import CommandFailed, run_command
+    from dsv4_offload.workspace.runner import CommandFailed, run_command
 
     received = [0]
     done = threading.Event()
@@ -373,7 +365,7 @@ def pick_prefix_match(name: str, prefix: str, branch: str, history: list[str]) -
 
 def read_source_locks(lock_file: Path) -> dict[str, dict[str, str]]:
     """``name -> {commit_prefix, branch, commit, resolved}`` from the workspace lock file."""
-    from dsv4_offload.workspace import read_json
+    from dsv4_offload.workspace.store import read_json
 
     doc = read_json(lock_file, {})
     locks = doc.get("sources") if isinstance(doc, dict) else None
@@ -402,7 +394,7 @@ def apply_source_locks(recipe: Recipe, lock_file: Path) -> list[str]:
 
 def write_source_lock(lock_file: Path, source: Source, commit: str) -> None:
     """Record a resolved prefix (atomically) so later fetches use the same commit."""
-    from dsv4_offload.workspace import atomic_write_json, now_iso
+    from dsv4_offload.workspace.store import atomic_write_json, now_iso
 
     locks = read_source_locks(lock_file)
     locks[source.name] = {"commit_prefix": source.commit_prefix or "",
@@ -544,7 +536,7 @@ def create_checkout(path: Path, source: Source, log: Path) -> None:
     Built beside the target and renamed into place, so an interrupted fetch never leaves a
     half-made checkout that the next run would have to call "not ours".
     """
-    from dsv4_offload.runner import run_command
+    from dsv4_offload.workspace.runner import run_command
 
     env = git_env()
     cache = cache_repo_path(source.name)
@@ -621,7 +613,7 @@ def _configure_partial(repo: Path, url: str) -> None:
 
 
 def _run_fetch(repo: Path, args: list[str], log: Path) -> tuple[bool, list[str]]:
-    from dsv4_offload.runner import run_command
+    from dsv4_offload.workspace.runner import run_command
 
     lines: list[str] = []
     res = run_command(["git", "fetch", "--no-tags", "--no-write-fetch-head", *args], log=log,

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -81,7 +81,7 @@ def expert_key(layer: int, expert: int, projection: str, kind: str, prefix: str 
 def expected_expert_tensor(dims: MoeDims, projection: str, kind: str
                            ) -> tuple[str, tuple[int, int]]:
     """(dtype, shape) the checkpoint must hold for one expert tensor."""
-    from dsv4_offload import mxfp4
+    from dsv4_offload.weights import mxfp4
 
     n, k = dims.projection_shape(projection)
     if kind == "weight":
@@ -101,7 +101,7 @@ def _read_json(path: Path, if_missing: str) -> Any:
 
 def parse_config(path: Path) -> MoeDims:
     """MoeDims from a config.json; each missing or malformed field is one clear error."""
-    from dsv4_offload import mxfp4
+    from dsv4_offload.weights import mxfp4
 
     doc = _read_json(path, f"the MXFP4 checkpoint is incomplete: {REFETCH}")
     if not isinstance(doc, dict):

@@ -20,7 +20,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 MARKS_DIR = ".dsv4"  # inside the sysroot: unpack marks, the stamp, the downloads
 STAMP_NAME = "sysroot.json"
@@ -158,7 +158,7 @@ def mark_done(sysroot: Path, kind: str, name: str, what: str) -> None:
 
 def write_stamp(request: SysrootRequest) -> Path:
     """Written last, once every package and wheel is unpacked."""
-    from dsv4_offload.workspace import atomic_write_json, now_iso
+    from dsv4_offload.workspace.store import atomic_write_json, now_iso
 
     path = stamp_path(request.sysroot)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Supervising the server: its own process group, its log, readiness, known fatal lines, stop.
 
 The server always runs as the child of a process that waits on it: the tool itself in the
-foreground, or with --detach a small supervisor (``python -m dsv4_offload.supervisor SPEC``)
+foreground, or with --detach a small supervisor (``python -m dsv4_offload.serving.supervisor SPEC``)
 started in a new session, because a reaped background parent takes sglang down with it.
 The supervisor writes ``Workspace.serve_record`` (pids, URL, log) atomically.
 """
@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 
 TAIL_LINES = 40
 NOFILE_WANTED = 65536  # the launcher raises the open-file limit for the 43 mmapped GGUFs
@@ -227,7 +227,7 @@ class ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv)
         if self.api_key_file:
-            from dsv4_offload.serveplan import API_KEY_PLACEHOLDER, read_api_key
+            from dsv4_offload.serving.plan import API_KEY_PLACEHOLDER, read_api_key
 
             self._secret = read_api_key(Path(self.api_key_file))
             argv = [self._secret if a == API_KEY_PLACEHOLDER else a for a in argv]
@@ -410,7 +410,7 @@ def read_record(path: Path) -> ServeRecord | None:
 
 
 def write_record(path: Path, record: ServeRecord) -> None:
-    from dsv4_offload.workspace import atomic_write_json
+    from dsv4_offload.workspace.store import atomic_write_json
 
     atomic_write_json(path, record.as_dict())
 
@@ -424,17 +424,17 @@ def record_alive(record: ServeRecord | None) -> bool:
 
 
 def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) -> int:
-    """Start ``python -m dsv4_offload.supervisor SPEC`` in a new session; its pid."""
-    from dsv4_offload.workspace import atomic_write_json
+    """Start ``python -m dsv4_offload.serving.supervisor SPEC`` in a new session; its pid."""
+    from dsv4_offload.workspace.store import atomic_write_json
 
     atomic_write_json(spec_path, spec)
     supervisor_log.parent.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
-    src = str(Path(__file__).resolve().parent.parent)
+    src = str(Path(__file__).resolve().parents[2])  # the directory holding dsv4_offload
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     with open(supervisor_log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "dsv4_offload.supervisor", str(spec_path)],
+            [sys.executable, "-m", "dsv4_offload.serving.supervisor", str(spec_path)],
             stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
             start_new_session=True, env=env, close_fds=True,
         )
@@ -463,7 +463,7 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
 
 def supervise(spec: dict[str, Any]) -> int:
     """The detached supervisor's body: run the server, keep the record, stop it on a signal."""
-    from dsv4_offload.workspace import now_iso
+    from dsv4_offload.workspace.store import now_iso
 
     record_path = Path(spec["record"])
     server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),
@@ -513,7 +513,7 @@ def detached_guard(pid: int) -> Iterator[None]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        sys.stderr.write("usage: python -m dsv4_offload.supervisor SPEC.json\n")
+        sys.stderr.write("usage: python -m dsv4_offload.serving.supervisor SPEC.json\n")
         return 2
     spec_path = Path(args[0])
     spec = json.loads(spec_path.read_text(encoding="utf-8"))

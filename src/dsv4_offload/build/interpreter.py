@@ -15,12 +15,13 @@ import shutil
 import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 if TYPE_CHECKING:
-    from dsv4_offload.stage import StageContext
+    from dsv4_offload.workspace.context import StageContext
 
 # python_env.sh L50-51, in its order
 CANDIDATES: tuple[str, ...] = (
@@ -102,21 +103,32 @@ def resolve_python(*, explicit: str | None, env: Mapping[str, str],
     return None, tried
 
 
+def server_pythonpath(tree: Path, inherited: str | None) -> str:
+    """The server's PYTHONPATH for the ktransformers tree ``tree``: the one place it is made.
+
+    ensure_kt_kernel.sh L24 puts sglang/python and kt-kernel first, then the launcher's L46
+    puts sglang/python and kt-kernel/python before those: the result repeats sglang/python.
+    Whatever the environment already had (CANN's set_env.sh puts its own entries there)
+    follows, as the launcher's ``${PYTHONPATH}`` does.
+    """
+    sglang = str(tree / "third_party" / "sglang" / "python")
+    parts = [sglang, str(tree / "kt-kernel" / "python"), sglang, str(tree / "kt-kernel")]
+    if inherited:
+        parts.append(inherited)
+    return os.pathsep.join(parts)
+
+
 def _launcher_env(ctx: StageContext) -> dict[str, str]:
     """This process's environment with the launcher's PYTHONPATH in front (L24, L46)."""
-    from dsv4_offload.serveplan import launcher_pythonpath
-
     env = dict(os.environ)
-    parts = launcher_pythonpath(ctx.workspace.tree_dir(ctx.recipe))
-    if env.get("PYTHONPATH"):
-        parts.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(parts)
+    env["PYTHONPATH"] = server_pythonpath(ctx.workspace.tree_dir(ctx.recipe),
+                                          env.get("PYTHONPATH"))
     return env
 
 
 def recorded_python(ctx: StageContext) -> dict[str, Any] | None:
     """The workspace's recorded choice, if any."""
-    from dsv4_offload.workspace import read_json
+    from dsv4_offload.workspace.store import read_json
 
     prov = read_json(ctx.workspace.provenance_file, {})
     entry = prov.get(PROVENANCE_SECTION) if isinstance(prov, dict) else None
@@ -158,3 +170,8 @@ def chosen_python(ctx: StageContext, *, fallback: str | None = None, record: boo
         ctx.workspace.ensure()
         ctx.workspace.update_provenance(PROVENANCE_SECTION, choice.as_dict())
     return choice
+
+
+def build_python(ctx: StageContext) -> str:
+    """The workspace's one interpreter (:func:`chosen_python`), else the recipe's."""
+    return chosen_python(ctx, fallback=ctx.recipe.build.python).path

@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import gitsrc
-from dsv4_offload.errors import InputError
-from dsv4_offload.series import (
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.sources import git as gitsrc
+from dsv4_offload.sources.series import (
     CLEAN,
     FAILS,
     FUZZ,
@@ -29,8 +29,8 @@ from dsv4_offload.series import (
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe, Series
-    from dsv4_offload.series import LoadedPatch
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.sources.series import LoadedPatch
+    from dsv4_offload.workspace.store import Workspace
 
 
 def parse_target_ref(item: str, option: str) -> tuple[str, str]:
@@ -167,7 +167,7 @@ def bisect_target(recipe: Recipe, series: Series, target: str, ref: str, log: Pa
     changes none of the files the target's patches touch keeps the previous commit's result;
     the others get the whole stack checked in a temporary index (milliseconds each).
     """
-    from dsv4_offload.indexcheck import IndexTree, check_and_carry, touched_paths
+    from dsv4_offload.sources.indexcheck import IndexTree, check_and_carry, touched_paths
 
     _check_target(series, target, "--bisect")
     start = time.monotonic()
@@ -354,7 +354,7 @@ def _state_file(ws: Workspace) -> Path:
 
 
 def read_rebase_state(ws: Workspace) -> RebaseState | None:
-    from dsv4_offload.workspace import read_json
+    from dsv4_offload.workspace.store import read_json
 
     doc = read_json(_state_file(ws), None)
     if doc is None:
@@ -367,7 +367,7 @@ def read_rebase_state(ws: Workspace) -> RebaseState | None:
 
 
 def _save(ws: Workspace, state: RebaseState) -> None:
-    from dsv4_offload.workspace import atomic_write_json
+    from dsv4_offload.workspace.store import atomic_write_json
 
     atomic_write_json(_state_file(ws), asdict(state))
 
@@ -384,7 +384,7 @@ def _ref_label(state: RebaseState) -> str:
 
 def _committer_env(repo: Path, date_of: str) -> dict[str, str]:
     # only the committer: a cherry-pick keeps each patch's author (a mail's author included)
-    from dsv4_offload.series import COMMITTER
+    from dsv4_offload.sources.series import COMMITTER
 
     date = gitsrc.git_text(repo, "show", "-s", "--format=%cI", date_of)
     return gitsrc.git_env({"GIT_COMMITTER_NAME": COMMITTER[0],
@@ -396,9 +396,9 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
                  mirrors: dict[str, list[str]] | None = None) -> RebaseOutcome:
     """The target's patches as commits on the pinned commit, then cherry-picked one by one
     onto REF in a work branch; stops at the first conflict."""
-    from dsv4_offload.indexcheck import touched_paths
-    from dsv4_offload.runner import CommandFailed
-    from dsv4_offload.series import NO_HOOKS, _git, apply_one, commit_env
+    from dsv4_offload.sources.indexcheck import touched_paths
+    from dsv4_offload.sources.series import NO_HOOKS, _git, apply_one, commit_env
+    from dsv4_offload.workspace.runner import CommandFailed
 
     _check_target(series, target, "patch rebase")
     if read_rebase_state(ws) is not None:
@@ -455,7 +455,7 @@ def sparse_pattern(path: str) -> str:
 
 
 def _remove_worktree(repo: Path, worktree: Path, branch: str | None, log: Path) -> None:
-    from dsv4_offload.series import _git
+    from dsv4_offload.sources.series import _git
 
     _git(repo, ["worktree", "remove", "--force", "--force", str(worktree)], log, check=False)
     shutil.rmtree(worktree, ignore_errors=True)  # what `worktree remove` left (not a worktree)
@@ -474,7 +474,7 @@ def _is_empty(worktree: Path, rev: str = "HEAD") -> bool:
 
 def _pick_rest(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
                log: Path) -> RebaseOutcome:
-    from dsv4_offload.series import NO_HOOKS, _git
+    from dsv4_offload.sources.series import NO_HOOKS, _git
 
     worktree = Path(state.worktree)
     env = _committer_env(worktree, state.ref_commit)
@@ -508,7 +508,7 @@ def _pick_rest(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState
 
 def rebase_continue(recipe: Recipe, series: Series, ws: Workspace, log: Path) -> RebaseOutcome:
     """After the conflicted files are fixed and `git add`-ed: commit and carry on."""
-    from dsv4_offload.series import NO_HOOKS, _git
+    from dsv4_offload.sources.series import NO_HOOKS, _git
 
     state = read_rebase_state(ws)
     if state is None:
@@ -546,7 +546,7 @@ def rebase_continue(recipe: Recipe, series: Series, ws: Workspace, log: Path) ->
 
 def rebase_abort(ws: Workspace, log: Path) -> RebaseOutcome:
     """Drop the work branch and tree; the workspace's checkouts were never touched."""
-    from dsv4_offload.series import _git
+    from dsv4_offload.sources.series import _git
 
     state = read_rebase_state(ws)
     if state is None:
@@ -567,7 +567,7 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
     import yaml
 
     from dsv4_offload.recipe import recipe_path, series_path
-    from dsv4_offload.series import _sha256, regenerate
+    from dsv4_offload.sources.series import _sha256, regenerate
 
     worktree = Path(state.worktree)
     out_dir = Path(state.out)
@@ -644,7 +644,7 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
 
 
 def _old_bytes(entry: Any, recipe: Recipe, series: Series) -> bytes:
-    from dsv4_offload.series import load_patch
+    from dsv4_offload.sources.series import load_patch
 
     return load_patch(entry, recipe, series, None).data
 

@@ -29,16 +29,18 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dsv4_offload.errors import Dsv4Error
-from dsv4_offload.workspace import atomic_write_bytes, now_iso
+from dsv4_offload.core.errors import Dsv4Error
+from dsv4_offload.workspace.store import atomic_write_bytes, now_iso
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import BuildStep, FileEdit, Recipe, RunPackage
-    from dsv4_offload.workspace import Workspace
+    from dsv4_offload.workspace.store import Workspace
 
 _QUICK_TIMEOUT_S = 300.0
 _PLACEHOLDER = re.compile(r"\{(python|workspace|(?:source|file|glob):[^{}]+|[A-Za-z0-9_.-]+)\}")
 _PIP_CONSTRAINT = "PIP_CONSTRAINT"
+
+KT_KERNEL_STEP = "kt-kernel"  # the build step that compiles kt-kernel
 
 
 class StepFailed(Dsv4Error):

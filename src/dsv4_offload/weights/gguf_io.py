@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload import mxfp4
-from dsv4_offload.checkpoint import PROJECTIONS, MoeDims
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.weights import mxfp4
+from dsv4_offload.weights.checkpoint import PROJECTIONS, MoeDims
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Conversion
@@ -236,7 +236,7 @@ def read_own_manifest(gguf_dir: Path) -> dict[str, str] | None:
 
 def write_own_manifest(gguf_dir: Path, digests: dict[str, str]) -> Path:
     """Merge `digests` into the manifest beside the files (atomically)."""
-    from dsv4_offload.workspace import atomic_write_bytes
+    from dsv4_offload.workspace.store import atomic_write_bytes
 
     merged = {**(read_own_manifest(gguf_dir) or {}), **digests}
     ordered = dict(sorted(merged.items(), key=lambda kv: _natural_key(kv[0])))
@@ -247,7 +247,7 @@ def write_own_manifest(gguf_dir: Path, digests: dict[str, str]) -> Path:
 
 def forget_manifest_entries(gguf_dir: Path, names: list[str]) -> None:
     """Drop rewritten files from our manifest: it must only vouch for verified bytes."""
-    from dsv4_offload.workspace import atomic_write_bytes
+    from dsv4_offload.workspace.store import atomic_write_bytes
 
     path = gguf_dir / OWN_MANIFEST
     if not path.exists():

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.errors import InputError, LockedError
+from dsv4_offload.core.errors import InputError, LockedError
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
@@ -265,3 +265,14 @@ class Workspace:
         prov[section] = value
         prov["updated"] = now_iso()
         atomic_write_json(self.provenance_file, prov)
+
+
+CACHE_ENV = "DSV4_CACHE"
+
+
+def cache_root() -> Path:
+    """``$DSV4_CACHE`` or ``~/.cache/dsv4-offload``: shared by every workspace of the user."""
+    base = os.environ.get(CACHE_ENV) or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4-offload"
+    )
+    return Path(base).expanduser().absolute()

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 HOST_ROOT_ENV = "DSV4_HOST_ROOT"
 NPU_SMI_ENV = "DSV4_NPU_SMI"

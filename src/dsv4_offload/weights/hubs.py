@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.errors import Dsv4Error, InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 
 HUBS = ("huggingface", "modelscope")
 DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}

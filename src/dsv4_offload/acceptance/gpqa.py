@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsv4_offload.errors import InputError
+from dsv4_offload.core.errors import InputError
 
 # gpqa_accuracy_repeat.sh L59: temperature 1 is the standard GPQA setting; thinking off
 GENERATION_CONFIG = {"temperature": 1, "top_p": 1, "max_tokens": 32768,

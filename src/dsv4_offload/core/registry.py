@@ -1,0 +1,70 @@
+"""The stage registry: every pipeline stage, what it needs, what feeds its fingerprint.
+
+One row per stage. The stage's code is the module ``dsv4_offload.stages.<name>`` (dashes
+become underscores) with one entry point, ``run(ctx) -> StageResult``; the pipeline imports
+it only when the stage runs. Adding a stage is a row here, its module and its test.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from dsv4_offload.core.errors import InputError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    needs: tuple[str, ...]
+    recipe_fields: tuple[str, ...]  # dotted recipe paths whose values feed the fingerprint
+    exclude: tuple[str, ...] = ()  # dotted paths (prefixes) left out of those
+    summary: str = ""
+    run_options: dict[str, Any] = field(default_factory=dict)  # options when run by `run`
+
+    @property
+    def module(self) -> str:
+        # DSV4_STAGE_PACKAGE swaps in another implementation of the stages (a site's own
+        # stage package, or the test suite's instrumented ones); the pipeline stays the same
+        package = os.environ.get("DSV4_STAGE_PACKAGE", "dsv4_offload.stages")
+        return f"{package}.{self.name.replace('-', '_')}"
+
+
+STAGES: tuple[StageSpec, ...] = (
+    StageSpec("doctor", (), ("host",), summary="host preflight"),
+    StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
+    StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
+    # a build made in another image (or on the host instead of in one) is not this one
+    StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
+              summary="kt-kernel, gguf-py, sglang"),
+    # before the downloads: a bad build stops `run` before hours of transfers
+    StageSpec("selftest", ("build",), ("selftest",),
+              summary="kt-kernel MXFP4 MoE vs a numpy reference"),
+    StageSpec("download", (), ("weights",), summary="W8A8 and MXFP4 weights"),
+    StageSpec(
+        "convert",
+        ("download",),
+        ("conversion",),
+        exclude=("conversion.digests", "conversion.digests_manifest",
+                 "conversion.expected_file_bytes"),
+        summary="MXFP4 experts into per-layer GGUF",
+    ),
+    StageSpec("verify-gguf", ("convert",), ("conversion",), summary="sizes, digests, bit-exact"),
+    StageSpec(
+        "serve",
+        ("build", "verify-gguf"),
+        ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template"),
+        summary="the hybrid server, supervised",
+        run_options={"detach": True},
+    ),
+    StageSpec("accept", ("serve",), ("acceptance",), summary="coherence, log markers, tok/s"),
+)
+STAGE_NAMES = tuple(s.name for s in STAGES)
+
+
+def spec(name: str) -> StageSpec:
+    for s in STAGES:
+        if s.name == name:
+            return s
+    raise InputError(f"unknown stage '{name}'; stages are: {', '.join(STAGE_NAMES)}")

@@ -1,0 +1,1 @@
+"""Model weights: hub downloads, the native MXFP4 checkpoint, GGUF writing and reading."""

@@ -1,0 +1,178 @@
+"""The package layout keeps: no import cycle, no arrow from a lower layer to a higher one.
+
+Every import of the package is read with ``ast`` (module level, inside functions and under
+``TYPE_CHECKING`` alike), so a cycle hidden in a function body counts as one. The layers,
+lowest first, are the table below; ``docs/architecture.md`` describes them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "dsv4_offload"
+ROOT = Path(__file__).resolve().parent.parent / "src" / PACKAGE
+
+# lowest first; a module may import its own layer and those below it, never one above
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("dsv4_offload", "dsv4_offload.core"),  # the version, errors, results, registry, host probes
+    ("dsv4_offload.recipe",),
+    ("dsv4_offload.workspace",),
+    ("dsv4_offload.sources", "dsv4_offload.build", "dsv4_offload.weights",
+     "dsv4_offload.serving", "dsv4_offload.acceptance"),
+    ("dsv4_offload.stages",),
+    ("dsv4_offload.pipeline",),
+    ("dsv4_offload.cli", "dsv4_offload.__main__"),
+)
+DOMAIN = LAYERS[3]
+MAX_LINES = 800
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in ROOT.rglob("*.py"):
+        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports, wherever in the file the import stands."""
+    is_package = path.name == "__init__.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name.split(".") if is_package else name.split(".")[:-1]
+                base = base[: len(base) - (node.level - 1)]
+                module = ".".join([*base, *([node.module] if node.module else [])])
+            else:
+                module = node.module or ""
+            # `from pkg import mod` imports the module pkg.mod; `from mod import name` mod
+            targets = [f"{module}.{a.name}" if f"{module}.{a.name}" in modules else module
+                       for a in node.names]
+        for target in targets:
+            while target and target not in modules:  # `import a.b.c` of a package attribute
+                target = target.rpartition(".")[0]
+            if target.startswith(PACKAGE) and target != name:
+                found.add(target)
+    return found
+
+
+def _layer(module: str) -> int:
+    best, rank = -1, -1
+    for i, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, rank = len(prefix), i
+    assert rank >= 0, f"{module} is in no layer of tests/test_layout.py: add it to LAYERS"
+    return rank
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of ``graph`` as the list of its modules, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*stack[stack.index(nxt):], nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def _domain_of(module: str) -> str | None:
+    return next((p for p in DOMAIN if module == p or module.startswith(p + ".")), None)
+
+
+def test_no_import_cycle() -> None:
+    cycle = _cycle(_graph())
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_no_import_points_up_a_layer() -> None:
+    upward = [f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
+              for a, targets in sorted(_graph().items()) for b in sorted(targets)
+              if _layer(b) > _layer(a)]
+    assert not upward, "imports against the layers:\n" + "\n".join(upward)
+
+
+def test_domain_packages_form_no_cycle() -> None:
+    packages: dict[str, set[str]] = {p: set() for p in DOMAIN}
+    for a, targets in _graph().items():
+        pa = _domain_of(a)
+        for b in targets:
+            pb = _domain_of(b)
+            if pa and pb and pa != pb:
+                packages[pa].add(pb)
+    cycle = _cycle(packages)
+    assert cycle is None, "domain packages import each other in a cycle: " + " -> ".join(
+        cycle or [])
+
+
+def test_a_stage_imports_no_other_stage() -> None:
+    """A stage is one module with one entry point: what two stages share lives below them."""
+    crossing = [f"{a} imports {b}" for a, targets in sorted(_graph().items())
+                if a.startswith("dsv4_offload.stages.") for b in sorted(targets)
+                if b.startswith("dsv4_offload.stages.")]
+    assert not crossing, "\n".join(crossing)
+
+
+def test_no_module_is_over_the_size_limit() -> None:
+    sizes = {name: len(path.read_text(encoding="utf-8").splitlines())
+             for name, path in _modules().items()}
+    over = {n: s for n, s in sizes.items() if s > MAX_LINES}
+    assert not over, f"modules over {MAX_LINES} lines: {over}"
+
+
+def test_the_package_top_stays_small() -> None:
+    entries = [p.name for p in ROOT.iterdir() if p.name != "__pycache__"]
+    assert len(entries) <= 14, sorted(entries)
+
+
+# the checker itself: it must see a cycle and an upward import where there are some
+
+
+def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    pkg = tmp_path / PACKAGE
+    (pkg / "core").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "core" / "__init__.py").write_text("")
+    (pkg / "core" / "a.py").write_text("from dsv4_offload.core import b\n")
+    (pkg / "core" / "b.py").write_text("def f():\n    from dsv4_offload.core.a import x\n")
+    (pkg / "stages").mkdir()
+    (pkg / "stages" / "__init__.py").write_text("")
+    (pkg / "core" / "c.py").write_text("import dsv4_offload.stages\n")
+    monkeypatch.setattr(__import__(__name__), "ROOT", pkg)
+    graph = _graph()
+    assert _cycle(graph) == ["dsv4_offload.core.a", "dsv4_offload.core.b",
+                             "dsv4_offload.core.a"]
+    assert "dsv4_offload.stages" in graph["dsv4_offload.core.c"]
+    assert _layer("dsv4_offload.stages") > _layer("dsv4_offload.core.c")
