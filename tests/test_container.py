@@ -131,7 +131,7 @@ def test_up_runs_the_delivery_docker_run_pulls_and_installs(
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dsv4_offload/container.py" in names
+    assert "dsv4_offload/serving/container.py" in names
     assert "dsv4_offload/data/recipes/dsv4-flash-910b.yaml" in names
     assert any(n.endswith(".dist-info/entry_points.txt") for n in names)
 

@@ -176,3 +176,52 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path: Path,
                              "dsv4_offload.core.a"]
     assert "dsv4_offload.stages" in graph["dsv4_offload.core.c"]
     assert _layer("dsv4_offload.stages") > _layer("dsv4_offload.core.c")
+
+
+def test_a_new_stage_is_a_registry_row_and_a_module(tmp_path: Path) -> None:
+    """Add a stage the way docs/architecture.md says (a row, a module) and nothing else: the
+    CLI gets its command, `status` lists it, `run` runs it after the stage it needs."""
+    import os
+    import subprocess
+    import sys
+
+    site = tmp_path / "site"
+    (site / "extrastages").mkdir(parents=True)
+    # the row: appended to the registry before anything else of the package is imported
+    (site / "sitecustomize.py").write_text(
+        "from dsv4_offload.core import registry as r\n"
+        "r.STAGES = (*r.STAGES, r.StageSpec('inventory', ('doctor',), ('host',),\n"
+        "            summary='list what the host has'))\n"
+        "r.STAGE_NAMES = tuple(s.name for s in r.STAGES)\n")
+    (site / "extrastages" / "__init__.py").write_text("")
+    # the module: one entry point; the other stages are the instrumented stand-ins
+    for name in ("doctor", "fetch", "patch", "build", "selftest", "download", "convert",
+                 "verify_gguf", "serve", "accept"):
+        (site / "extrastages" / f"{name}.py").write_text(
+            f"from fakestages import make\nrun = make({name.replace('_', '-')!r})\n")
+    (site / "extrastages" / "inventory.py").write_text(
+        "from dsv4_offload.core.results import StageResult, Status\n"
+        "def run(ctx):\n"
+        "    (ctx.workspace.root / 'inventory.txt').write_text(ctx.recipe.name)\n"
+        "    return StageResult(Status.OK, 'inventory taken')\n")
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "DSV4_STAGE_PACKAGE": "extrastages",
+           "PYTHONPATH": os.pathsep.join([str(site), str(tests), str(ROOT.parent)])}
+    env.pop("DSV4_WORKSPACE", None)
+    ws = tmp_path / "ws"
+    overlay = tmp_path / "host.yaml"  # this test is about the pipeline on one host
+    overlay.write_text("extends: dsv4-flash-910b\nname: host-pipeline\nruntime:\n  kind: host\n")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", PACKAGE, "-w", str(ws), "-r", str(overlay),
+                               *args], capture_output=True, text=True, env=env, timeout=120,
+                              stdin=subprocess.DEVNULL)
+
+    helped = cli("inventory", "--help")
+    assert helped.returncode == 0 and "list what the host has" in helped.stdout, helped
+    ran = cli("run", "--to", "inventory")
+    assert ran.returncode == 0, ran
+    assert (ws / "inventory.txt").read_text() == "host-pipeline"
+    status = cli("--json", "status")
+    rows = {r["name"]: r for r in __import__("json").loads(status.stdout)["data"]["stages"]}
+    assert rows["inventory"]["state"] == "done", rows["inventory"]

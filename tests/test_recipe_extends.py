@@ -13,7 +13,6 @@ from dsv4_offload.recipe import (
     BUNDLED_SERIES,
     load_recipe,
     load_recipe_and_series,
-    recipe_chain,
 )
 
 
@@ -48,7 +47,7 @@ def test_a3_states_only_what_differs() -> None:
     assert steps["kt-kernel"]["command"] == b["build"]["steps"][0]["command"]
     assert a3["host"]["tools"] == {**b["host"]["tools"], "gcc": "13.0"}
     assert a3["acceptance"]["gpqa_reference_pct"] is None  # `null` replaces
-    assert [p.name for p in recipe_chain(load_recipe("dsv4-flash-a3"))] == [
+    assert [p.name for p in load_recipe("dsv4-flash-a3").chain] == [
         "dsv4-flash-a3.yaml", "dsv4-flash-910b.yaml"]
 
 
@@ -83,7 +82,7 @@ build:
     assert names[names.index("verify"):] == [
         "verify", "own-first", "kt-kernel", "ascendc-op", "gguf-py", "sglang", "extra"]
     assert r.build.steps[names.index("kt-kernel")].env["CC"] == "gcc-13"
-    assert [p.name for p in recipe_chain(r)] == ["overlay.yaml", "mid.yaml",
+    assert [p.name for p in r.chain] == ["overlay.yaml", "mid.yaml",
                                                    "dsv4-flash-a3.yaml", "dsv4-flash-910b.yaml"]
 
 

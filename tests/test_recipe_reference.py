@@ -5,7 +5,7 @@ from __future__ import annotations
 from conftest import REPO
 
 from dsv4_offload import recipe as R
-from dsv4_offload.acceptance.reference import REGENERATE, reference_markdown
+from dsv4_offload.recipe.reference import REGENERATE, reference_markdown
 
 
 def test_committed_reference_is_up_to_date() -> None:

@@ -85,7 +85,7 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         recorded = state.get("stages", {}).get(stage.name, {}).get("fingerprint") or {}
         fp.update({k: v for k, v in recorded.items() if k.startswith("input.")})
     elif extra is not None:
-        sub_ctx = _sub_context(ctx, stage.name)
+        sub_ctx = ctx.for_stage(stage.name)
         for key, value in extra(sub_ctx).items():
             fp[f"input.{key}"] = str(value)
     for need in stage.needs:
@@ -188,15 +188,6 @@ def pipeline_status(ctx: StageContext) -> list[StageStatus]:
 # --- running -------------------------------------------------------------------------------
 
 
-def _sub_context(ctx: StageContext, stage: str, options: dict[str, Any] | None = None
-                 ) -> StageContext:
-    return StageContext(
-        recipe=ctx.recipe, series=ctx.series, workspace=ctx.workspace,
-        options=dict(options if options is not None else ctx.options),
-        progress=ctx.progress, stage=stage, verbose=ctx.verbose,
-    )
-
-
 def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
     """Run one stage now (the caller holds the lock) and record the outcome."""
     stage = spec(name)
@@ -210,7 +201,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
             f"stage '{name}' is not implemented in this version of dsv4-offload; "
             f"stop before it with `run --to {_previous(name)}`"
         )
-    sub = _sub_context(ctx, name, options)
+    sub = ctx.for_stage(name, options)
     ws = ctx.workspace
     started = now_iso()
     t0 = time.monotonic()
@@ -250,10 +241,9 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     ws.write_stage_record(name, record)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
-    from dsv4_offload.recipe import recipe_path
 
     ws.update_provenance("recipe", {
-        "name": ctx.recipe.name, "file": str(recipe_path(ctx.recipe) or ""),
+        "name": ctx.recipe.name, "file": str(ctx.recipe.file or ""),
         "digest": model_digest(ctx.recipe), "series": ctx.series.name,
         "series_digest": model_digest(ctx.series),
     })

@@ -14,7 +14,7 @@ from typing import Any
 import typer
 
 from dsv4_offload import __version__
-from dsv4_offload.cli import complete
+from dsv4_offload.cli import complete, kit
 from dsv4_offload.cli.argv import GlobalOptionsGroup, hoist_globals
 from dsv4_offload.cli.kit import (
     GlobalOptions,
@@ -85,7 +85,28 @@ def _register_areas() -> None:
         module.register(app)
 
 
+def _plain_stage_command(name: str, summary: str) -> Any:
+    def command(ctx: typer.Context) -> None:
+        kit.run_stage(ctx, name, {})
+
+    command.__doc__ = f"The {name} stage: {summary}." if summary else f"The {name} stage."
+    return command
+
+
+def _register_plain_stages() -> None:
+    """A stage of the registry with no command of its own gets a plain one (``dsv4-offload
+    NAME``, no options), so a new stage is its registry row, its module and its test."""
+    from dsv4_offload.core.registry import STAGES
+
+    taken = {c.name or (c.callback.__name__.replace("_", "-") if c.callback else "")
+             for c in app.registered_commands}
+    for stage in STAGES:
+        if stage.name not in taken:
+            app.command(stage.name)(_plain_stage_command(stage.name, stage.summary))
+
+
 _register_areas()
+_register_plain_stages()
 
 
 def _command_name(args: list[str], group: Any) -> str:

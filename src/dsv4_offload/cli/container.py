@@ -88,7 +88,6 @@ def exec_(
     workspace (mounted at its own path), so its stage records land in the same state file
     and `status` on the host shows them.
     """
-    from dsv4_offload.recipe import recipe_path
     from dsv4_offload.serving.container import container_up, exec_argv
 
     pctx, plan = _plan(ctx, devices)
@@ -98,7 +97,7 @@ def exec_(
     inner = list(args or [])
     if g.json and "--json" not in inner:
         inner = ["--json", *inner]
-    path = recipe_path(pctx.recipe)
+    path = pctx.recipe.file
     argv = exec_argv(plan, pctx.workspace, str(path) if path else None, g.overrides, inner)
     try:
         code = subprocess.call(argv)
@@ -147,7 +146,6 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
     """Run ``args`` in the recipe's container when ``stage`` last ran there; False when it
     did not (the caller goes on here). The server's pids are the container's: signalling
     them from the host would reach other processes."""
-    from dsv4_offload.recipe import recipe_path
     from dsv4_offload.serving.container import (
         exec_argv,
         find_container,
@@ -166,7 +164,7 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
                                                                  "running": False},
              lines=[f"container {plan.name} is not running: no server"])
         exit_with(ExitCode.FAILED)
-    path = recipe_path(sctx.recipe)
+    path = sctx.recipe.file
     inner = ["--json", *args] if g.json else list(args)
     code = subprocess.call(exec_argv(plan, sctx.workspace, str(path) if path else None,
                                      g.overrides, inner))

@@ -43,22 +43,11 @@ def options_of(typer_ctx: typer.Context) -> GlobalOptions:
 def load_context(typer_ctx: typer.Context, stage: str = "",
                  options: dict[str, Any] | None = None) -> StageContext:
     """Recipe, series and workspace from the global options, as a StageContext."""
-    from dsv4_offload.recipe import load_recipe_and_series
     from dsv4_offload.workspace.context import StageContext
-    from dsv4_offload.workspace.store import Workspace
 
     g = options_of(typer_ctx)
-    recipe, series = load_recipe_and_series(g.recipe, g.overrides)
-    workspace = Workspace.from_option(g.workspace)
-    if any(s.commit_prefix for s in recipe.sources):
-        from dsv4_offload.sources.git import apply_source_locks
-
-        # abbreviated pins take the full SHA fetch locked for this workspace
-        apply_source_locks(recipe, workspace.sources_lock_file)
-    return StageContext(
-        recipe=recipe, series=series, workspace=workspace,
-        options=dict(options or {}), progress=make_progress(g), stage=stage, verbose=g.verbose,
-    )
+    return StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
+                             progress=make_progress(g), stage=stage, verbose=g.verbose)
 
 
 def make_progress(g: GlobalOptions) -> Any:

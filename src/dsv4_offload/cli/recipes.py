@@ -55,7 +55,6 @@ def recipe_validate(
         load_recipe_and_series,
         load_series,
         looks_like_series,
-        recipe_path,
     )
 
     g = options_of(ctx)
@@ -65,9 +64,9 @@ def recipe_validate(
         line = f"{file}: valid series '{series.name}' ({len(series.patches)} patches)"
     else:
         recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
-        data = {"recipe": recipe.name, "file": str(recipe_path(recipe)), "series": series.name,
+        data = {"recipe": recipe.name, "file": str(recipe.file), "series": series.name,
                 "sources": len(recipe.sources), "patches": len(series.patches)}
-        line = (f"{recipe_path(recipe)}: valid recipe '{recipe.name}' "
+        line = (f"{recipe.file}: valid recipe '{recipe.name}' "
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")
     emit(ctx, command="recipe validate", status="ok", data=data, lines=[line])
@@ -78,7 +77,7 @@ def recipe_schema(ctx: typer.Context) -> None:
     import json
     import sys
 
-    from dsv4_offload.acceptance.reference import json_schema
+    from dsv4_offload.recipe.reference import json_schema
 
     schema = json_schema()
     if options_of(ctx).json:
@@ -91,7 +90,7 @@ def recipe_reference(ctx: typer.Context) -> None:
     """docs/recipe-reference.md, generated from the recipe models (Markdown)."""
     import sys
 
-    from dsv4_offload.acceptance.reference import reference_markdown
+    from dsv4_offload.recipe.reference import reference_markdown
 
     text = reference_markdown()
     if options_of(ctx).json:

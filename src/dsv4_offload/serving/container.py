@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
-from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, recipe_path, resolve_recipe_path
+from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
 if TYPE_CHECKING:
@@ -482,9 +482,9 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
         args += ["--device", str(options["device"])]
     log = ctx.workspace.log_dir("container") / f"{stage}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    path = recipe_path(ctx.recipe)
+    path = ctx.recipe.file
     spec = str(path) if path is not None else None
-    overrides = list(getattr(ctx.recipe, "_overrides", []) or [])
+    overrides = list(ctx.recipe.overrides)
     with ctx.workspace.lend_lock() as token:
         argv = exec_argv(plan, ctx.workspace, spec, overrides, args, {HANDOFF_ENV: token})
         with ctx.task(f"{stage} in {plan.name}"):

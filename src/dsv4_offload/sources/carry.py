@@ -566,7 +566,6 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
 
     import yaml
 
-    from dsv4_offload.recipe import recipe_path, series_path
     from dsv4_offload.sources.series import _sha256, regenerate
 
     worktree = Path(state.worktree)
@@ -586,7 +585,7 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
     picks = {p.name: p for p in state.picks}
     new_series_name = f"{state.series}-{_slug(state.ref, state.ref_commit)}"
     series_file = f"{new_series_name}.yaml"
-    old_dir = series_path(series)
+    old_dir = series.file
     written: list[str] = []
     body: list[str] = []
     try:
@@ -629,7 +628,7 @@ def _finish(recipe: Recipe, series: Series, ws: Workspace, state: RebaseState,
             header + yaml.safe_dump(doc_head, sort_keys=False, allow_unicode=True, width=1000)
             + "patches:\n" + "".join(body), encoding="utf-8")
         recipe_file = partial / "recipe.yaml"
-        recipe_file.write_text(_overlay(recipe, recipe_path(recipe), out_dir, state,
+        recipe_file.write_text(_overlay(recipe, recipe.file, out_dir, state,
                                         series_file), encoding="utf-8")
         os.replace(partial, out_dir)
     except BaseException:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.recipe.lock import read_source_locks
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:
@@ -361,35 +362,6 @@ def pick_prefix_match(name: str, prefix: str, branch: str, history: list[str]) -
 
 
 # --- the source lock: prefix pins resolved once -------------------------------------------
-
-
-def read_source_locks(lock_file: Path) -> dict[str, dict[str, str]]:
-    """``name -> {commit_prefix, branch, commit, resolved}`` from the workspace lock file."""
-    from dsv4_offload.workspace.store import read_json
-
-    doc = read_json(lock_file, {})
-    locks = doc.get("sources") if isinstance(doc, dict) else None
-    if not isinstance(locks, dict):
-        return {}
-    return {k: v for k, v in locks.items() if isinstance(v, dict)}
-
-
-def apply_source_locks(recipe: Recipe, lock_file: Path) -> list[str]:
-    """Give each prefix-pinned source the full SHA locked for it; the names left unlocked."""
-    locks = read_source_locks(lock_file)
-    unlocked = []
-    for source in recipe.sources:
-        if source.commit_prefix is None:
-            continue
-        entry = locks.get(source.name) or {}
-        commit = entry.get("commit", "")
-        if (entry.get("commit_prefix") == source.commit_prefix
-                and entry.get("branch") == source.branch and _HEX40.match(commit)
-                and commit.startswith(source.commit_prefix)):
-            source.lock(commit)
-        else:
-            unlocked.append(source.name)
-    return unlocked
 
 
 def write_source_lock(lock_file: Path, source: Source, commit: str) -> None:

@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import InputError
-from dsv4_offload.recipe import series_path
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.runner import CommandFailed, run_command
 from dsv4_offload.workspace.store import atomic_write_bytes
@@ -126,7 +125,7 @@ def load_patch(entry: PatchEntry, recipe: Recipe, series: Series,
     """The patch's bytes from its origin, refused unless their sha256 is the series'."""
     origin = entry.origin
     if origin.file is not None:
-        base = series_path(series)
+        base = series.file
         path = (base.parent if base else Path.cwd()) / origin.file
         try:
             data = path.read_bytes()
@@ -622,7 +621,7 @@ def regenerate(repo_dir: Path, commit: str, entry: PatchEntry) -> bytes:
 def refresh_series(recipe: Recipe, series: Series, ws: Workspace,
                    only: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """Our own patch files regenerated from their commits; the series' sha256 updated."""
-    spath = series_path(series)
+    spath = series.file
     if spath is None:
         raise InputError("the series has no file to update; load it from a file")
     rows = []

@@ -14,6 +14,7 @@ from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.recipe.lock import apply_source_locks
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
 
@@ -93,7 +94,7 @@ def _resolve_prefixes(ctx: StageContext, mirrors: dict[str, list[str]], log: Pat
     Returns ``name -> "locked" | "resolved"`` for the sources that now have a full SHA.
     """
     lock_file = ctx.workspace.sources_lock_file
-    unlocked = set(gitsrc.apply_source_locks(ctx.recipe, lock_file))
+    unlocked = set(apply_source_locks(ctx.recipe, lock_file))
     out: dict[str, str] = {}
     for source in ctx.recipe.sources:
         if source.commit_prefix is None:

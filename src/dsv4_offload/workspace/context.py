@@ -1,13 +1,15 @@
 """The context a stage receives: the recipe, its series, the workspace and the options.
 
-Opened by the pipeline (or a stand-alone stage command) and handed to the stage's ``run``.
+``StageContext.open`` is the one place a command turns its global options into a context
+(the recipe loaded once, `--set` and the workspace's locked commits applied); the pipeline
+hands a copy per stage (``for_stage``) to the stage's ``run``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +29,25 @@ class StageContext:
     progress: Progress = field(default_factory=Progress)
     stage: str = ""
     verbose: bool = False
+
+    @classmethod
+    def open(cls, recipe: str | None, overrides: list[str], workspace: str | None, *,
+             options: dict[str, Any] | None = None, progress: Progress | None = None,
+             stage: str = "", verbose: bool = False) -> StageContext:
+        """The recipe (bundled name or file) with its `--set` items and the workspace's
+        locked commits, its series, and the workspace (``--workspace``, else the default)."""
+        from dsv4_offload.recipe import load_recipe_and_series
+        from dsv4_offload.workspace.store import Workspace
+
+        ws = Workspace.from_option(workspace)
+        loaded, series = load_recipe_and_series(recipe, overrides, locks=ws.sources_lock_file)
+        return cls(recipe=loaded, series=series, workspace=ws, options=dict(options or {}),
+                   progress=progress or Progress(), stage=stage, verbose=verbose)
+
+    def for_stage(self, stage: str, options: dict[str, Any] | None = None) -> StageContext:
+        """The same recipe, workspace and progress for one stage, with its own options."""
+        return replace(self, stage=stage,
+                       options=dict(options if options is not None else self.options))
 
     @property
     def log_dir(self) -> Path:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from dsv4_offload import recipe as R
+from dsv4_offload.recipe.overrides import unwrap
 
 REGENERATE = "dsv4-offload recipe reference > docs/recipe-reference.md"
 
@@ -177,7 +178,7 @@ def _walk(model: type[BaseModel], where: str, seen: dict[str, str]) -> list[type
     order = [model]
     for name, info in model.model_fields.items():
         for sub in _nested(info.annotation):
-            is_list = typing.get_origin(R._unwrap(info.annotation)) is list
+            is_list = typing.get_origin(unwrap(info.annotation)) is list
             path = f"{where}.{info.alias or name}" + ("[]" if is_list else "")
             path = path.lstrip(".")
             if sub.__name__ not in seen:

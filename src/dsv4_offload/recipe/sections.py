@@ -1,0 +1,657 @@
+"""The sections of a recipe and the patch series: sources, series, builds, weights,
+conversion, serving, acceptance, selftest and host requirements."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import (
+    AfterValidator,
+    Field,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
+
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.recipe.fields import (
+    HEX_PREFIX,
+    Commit,
+    GitUrl,
+    Name,
+    RelPath,
+    Sha256,
+    Strict,
+    no_duplicates,
+)
+
+# --- sources -------------------------------------------------------------------------------
+
+
+def _commit_prefix(value: str) -> str:
+    if not isinstance(value, str) or not HEX_PREFIX.match(value):
+        raise ValueError("must be 7 to 39 lowercase hex digits (a full SHA goes in 'commit')")
+    return value
+
+
+CommitPrefix = Annotated[str, AfterValidator(_commit_prefix)]
+
+
+class Source(Strict):
+    """A git repository pinned at a full commit and where it goes in the workspace.
+
+    A source the upstream pins only by an abbreviated SHA says so with ``commit_prefix`` and
+    ``branch``: ``fetch`` resolves it once on that branch and locks the full SHA.
+    """
+
+    name: Name = Field(description="unique plain name; patches name it as their `target`")
+    url: GitUrl = Field(description="git URL of the upstream repository")
+    mirrors: list[GitUrl] = Field(
+        [],
+        description="more git URLs, tried in order after any `--mirror NAME=URL`")
+    commit: Commit | None = Field(
+        None,
+        description="the full 40-hex commit; a tag or short SHA is refused (`b3173` is "
+        "both); leave it out only for a `commit_prefix` pin")
+    commit_prefix: CommitPrefix | None = Field(
+        None, description="an abbreviated SHA, resolved once on 'branch' and then locked")
+    branch: str | None = Field(None, description="the branch a commit_prefix is resolved on")
+    ref: str | None = Field(None, description="human-readable tag or branch; never used alone")
+    path: RelPath = Field(description="checkout path, relative to the workspace")
+    submodule_of: Name | None = Field(
+        None, description="taken as this source's submodule, at the commit above"
+    )
+    patched: bool = Field(True, description="whether the series may target it")
+    license: str | None = Field(None, description="its license, for provenance")
+
+    # the full SHA a commit_prefix resolved to, from the workspace's lock (recipe.lock)
+    _locked_commit: str | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _one_pin(self) -> Source:
+        if (self.commit is None) == (self.commit_prefix is None):
+            raise ValueError(f"source '{self.name}': give either 'commit' (a full 40-hex SHA) or "
+                             "'commit_prefix' + 'branch' (an abbreviated SHA the upstream "
+                             "publishes), not both or neither")
+        if self.commit_prefix is not None and not self.branch:
+            raise ValueError(f"source '{self.name}': commit_prefix needs 'branch', the branch "
+                             "it is resolved on (e.g. master)")
+        return self
+
+    @property
+    def pinned(self) -> str:
+        """The full commit; a prefix-pinned one once ``fetch`` resolved and locked it."""
+        if self.commit is not None:
+            return self.commit
+        locked = self._locked_commit
+        if locked is None:
+            raise InputError(f"source '{self.name}' is pinned by the prefix "
+                             f"{self.commit_prefix} on {self.branch}: run `dsv4-offload fetch` "
+                             "to resolve and lock it")
+        return locked
+
+    def lock(self, commit: str) -> None:
+        """Record the full SHA a commit_prefix resolved to (not a field: the fingerprint of
+        the recipe stays the prefix; the full SHA reaches later stages through fetch's outputs)."""
+        if self.commit_prefix is None or not commit.startswith(self.commit_prefix):
+            raise InputError(f"source '{self.name}': {commit} does not match its "
+                             f"commit_prefix {self.commit_prefix}")
+        self._locked_commit = commit
+
+
+class RemoteFile(Strict):
+    """A file inside a pinned source (e.g. the delivery), checked by sha256."""
+
+    source: Name = Field(description="the source that holds the file")
+    path: RelPath = Field(description="path inside that source's checkout")
+    sha256: Sha256 = Field(description="sha256 of the file, checked before use")
+
+
+# --- series --------------------------------------------------------------------------------
+
+
+class PatchOrigin(Strict):
+    """Where a patch comes from: a path inside a pinned source, or a file in this repo."""
+
+    source: Name | None = Field(
+        None, description="a pinned source that holds the patch (with `path`)"
+    )
+    path: RelPath | None = Field(None, description="the patch's path inside that source")
+    file: RelPath | None = Field(None, description="path relative to the series file")
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> PatchOrigin:
+        if (self.file is None) == (self.source is None):
+            raise ValueError("give either 'source' + 'path' (a pinned source) or 'file' (ours)")
+        if self.source is not None and self.path is None:
+            raise ValueError("'source' needs a 'path' inside that source")
+        return self
+
+
+class PatchEntry(Strict):
+    name: Name = Field(description="unique plain name of the patch")
+    target: Name = Field(description="the source the patch applies to")
+    origin: PatchOrigin = Field(
+        description="where the patch comes from: `{source, path}` or `{file}`")
+    sha256: Sha256 = Field(
+        description="sha256 of the patch file, checked before any repository is touched")
+    strip: int = Field(1, ge=0, le=5, description="leading path components to strip (`patch -p`)")
+    # unidiff-zero: a diff of pure additions without context lines (`@@ -N,0 +M,K @@`), our
+    # own patches' form, so they hold only lines we wrote; `git apply --unidiff-zero`
+    method: Literal["plain", "mbox", "unidiff-zero"] = Field(
+        description="`plain` diff, `mbox` (applied with `git am`), or `unidiff-zero`: "
+        "this project's own zero-context diff of pure additions (`git apply --unidiff-zero`)")
+    upstream: Literal["not-submitted", "submitted", "merged", "local"] = Field(
+        "not-submitted",
+        description="its state upstream")
+    description: str = Field(min_length=1, description="one line saying what it changes")
+
+
+class Series(Strict):
+    schema_version: Literal[1] = Field(1, alias="schema", description="always `1`")
+    name: Name = Field(description="plain name of the series")
+    description: str = Field("", description="a sentence")
+    patches: list[PatchEntry] = Field(
+        min_length=1, description="the patches, in the order they apply"
+    )
+
+    # the file it was read from (set by recipe.load; patches of our own resolve against it)
+    _file: Path | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> Series:
+        no_duplicates([p.name for p in self.patches], "patches", "name")
+        return self
+
+    @property
+    def file(self) -> Path | None:
+        return self._file
+
+    def for_target(self, target: str) -> list[PatchEntry]:
+        return [p for p in self.patches if p.target == target]
+
+
+# --- builds --------------------------------------------------------------------------------
+
+
+class StepCheck(Strict):
+    """A command that must succeed before or after a step; a failure names it and its fix."""
+
+    name: Name = Field(description="named in the log and in a failure")
+    run: list[str] = Field(min_length=1, description="argv; placeholders as in command")
+    when: Literal["before", "after"] = Field("before", description="before or after the command")
+    cwd: Literal["workdir", "neutral"] = Field(
+        "workdir", description="'neutral': an empty directory and no PYTHONPATH, so no source "
+        "tree shadows an installed package")
+    fix: str = Field(min_length=1, description="what to do when it fails")
+    why: str = Field("", description="where the upstream says so (file:line)")
+
+
+class FileEdit(Strict):
+    """A workaround edit of a fetched file: ``append`` to the first line matching ``line``."""
+
+    file: RelPath = Field(description="relative to the step's workdir")
+    line: str = Field(min_length=1, description="regular expression of the line to extend")
+    append: str = Field(min_length=1, description="text added at the end of that line")
+    unless: str = Field(min_length=1, description="already applied when the file contains it")
+    why: str = Field("", description="where the upstream applies it (file:line)")
+
+
+class RunPackage(Strict):
+    """A CANN ``.run`` package the step's command produced, installed after it."""
+
+    glob: str = Field(min_length=1, description="relative to the workdir; the first match")
+    args: list[str] = Field([], description="arguments of the .run package")
+
+
+class BuildStep(Strict):
+    name: Name = Field(description="unique plain name (`dsv4-offload build NAME`)")
+    workdir: RelPath | None = Field(None, description="relative to the workspace (default: it)")
+    command: list[str] = Field([], description="argv; empty for a step of checks only")
+    env: dict[str, str] = Field({}, description="environment added for the step")
+    expect_markers: list[str] = Field([], description="log lines that must appear")
+    forbid_markers: list[str] = Field([], description="log lines that must not appear")
+    log_sources: list[Name] | None = Field(
+        None, description="sources whose code prints this step's markers (`patch audit`); "
+        "default: the source holding workdir and those nested in it; [] = the command itself "
+        "(pip, cmake) prints them: not audited")
+    check_import: str | None = Field(None, description="python module that must import after")
+    optional: bool = Field(False, description="a failure warns instead of failing the build")
+    description: str = Field("", description="a sentence for humans")
+    umask: str | None = Field(None, pattern=r"^0?[0-7]{3}$",
+                              description="the umask the command runs with, e.g. 0022")
+    chmod_go_w: bool = Field(False, description="`chmod -R go-w` the workdir first, checked")
+    source_env: list[str] = Field(
+        [], description="scripts sourced (nounset off) before the command and the checks")
+    edits: list[FileEdit] = Field(
+        [], description="workaround edits of fetched files, applied (once) before the command")
+    remove_first: list[RelPath] = Field(
+        [], description="leftovers of an earlier build removed before the command (relative "
+        "to the workdir; their parent made writable first, as read-only installs leave it)")
+    install_run: RunPackage | None = Field(
+        None, description="a CANN .run package the command produced, installed after it")
+    require_installed: list[str] = Field(
+        [], description="distributions whose installed version must match build.constraints")
+    checks: list[StepCheck] = Field(
+        [], description="commands that must succeed before or after the step")
+
+    @model_validator(mode="after")
+    def _something_to_do(self) -> BuildStep:
+        if not (self.command or self.checks or self.require_installed):
+            raise ValueError(f"step '{self.name}': give a command, checks or require_installed")
+        if (self.install_run or self.expect_markers) and not self.command:
+            raise ValueError(f"step '{self.name}': install_run and expect_markers need a command")
+        return self
+
+
+class Build(Strict):
+    python: str = Field(
+        "python3.11",
+        description="the interpreter the extensions are built with and bind to")
+    vars: dict[Name, str] = Field(
+        {}, description="{name} placeholders of steps; ~ and $VAR are expanded")
+    files: dict[Name, RemoteFile] = Field(
+        {}, description="files of pinned sources, checked by sha256 before any step: {file:NAME}")
+    constraints: Name | None = Field(
+        None, description="a build.files entry passed as pip constraints to every step")
+    steps: list[BuildStep] = Field(min_length=1, description="build steps, in order")
+
+    @model_validator(mode="after")
+    def _unique(self) -> Build:
+        no_duplicates([s.name for s in self.steps], "steps", "name")
+        if self.constraints is not None and self.constraints not in self.files:
+            raise ValueError(f"constraints '{self.constraints}' is not a build.files name")
+        return self
+
+
+# --- weights -------------------------------------------------------------------------------
+
+
+class WeightSet(Strict):
+    hub: Literal["huggingface", "modelscope"] = Field(description="where the weights are published")
+    repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="`owner/name` on that hub")
+    revision: str = Field("main", description="branch, tag or commit on the hub")
+    allow_patterns: list[str] = Field(
+        [], description="glob patterns of the files to download (default all)"
+    )
+    dir: RelPath = Field(description="download directory, relative to the workspace")
+    expected_bytes: int = Field(gt=0, description="approximate total size, for disk planning")
+    role: str = Field("", description="what the set is used for, for humans")
+
+
+class Weights(Strict):
+    w8a8: WeightSet = Field(
+        description="the W8A8 checkpoint served on the NPU (attention, shared expert, router)"
+    )
+    mxfp4: WeightSet = Field(
+        description="the MXFP4 checkpoint whose routed experts are converted to GGUF for the CPU"
+    )
+
+    @model_validator(mode="after")
+    def _sibling_dirs(self) -> Weights:
+        # the launcher derives the MXFP4 checkpoint from the W8A8 dir by dropping "-W8A8"
+        if not self.w8a8.dir.endswith("-W8A8") or self.w8a8.dir[: -len("-W8A8")] != self.mxfp4.dir:
+            raise ValueError(
+                "mxfp4.dir must equal w8a8.dir without its '-W8A8' suffix (the server derives "
+                "one from the other); e.g. w8a8.dir 'weights/X-W8A8', mxfp4.dir 'weights/X'"
+            )
+        return self
+
+
+# --- conversion ----------------------------------------------------------------------------
+
+
+class Conversion(Strict):
+    layers: int = Field(43, gt=0, description="number of MoE layers to convert (0..layers-1)")
+    gguf_dir: RelPath = Field("gguf", description="output directory, relative to the workspace")
+    file_template: str = Field(
+        "dsv4_layer{layer}_mxfp4.gguf",
+        description="GGUF file name per layer; must contain `{layer}`"
+    )
+    gguf_name_template: str = Field(
+        "dsv4-flash-layer{layer}-moe-mxfp4",
+        description="`general.name` written into each GGUF; must contain `{layer}`"
+    )
+    architecture: str = Field(
+        "deepseek2", description="`general.architecture` written into each GGUF"
+    )
+    experts: int = Field(256, gt=0, description="routed experts per layer")
+    experts_per_token: int = Field(6, gt=0, description="experts each token is routed to")
+    hidden_size: int = Field(4096, gt=0, description="model hidden size")
+    moe_intermediate_size: int = Field(2048, gt=0, description="intermediate size of one expert")
+    alignment: int = Field(32, gt=0, description="GGUF tensor-data alignment in bytes")
+    expected_file_bytes: int = Field(gt=0, description="exact size of one converted layer file")
+    digests: dict[int, Sha256] = Field(
+        {}, description="layer number -> sha256 of the converted file, checked by verify-gguf"
+    )
+    digests_manifest: RemoteFile | None = Field(
+        None, description="the delivery's `sha256sum`-format manifest of the converted files"
+    )
+
+    @field_validator("file_template", "gguf_name_template")
+    @classmethod
+    def _has_layer(cls, value: str) -> str:
+        if "{layer}" not in value:
+            raise ValueError("must contain the placeholder '{layer}'")
+        if "/" in value:
+            raise ValueError("must be a file name, without '/'")
+        return value
+
+    @model_validator(mode="after")
+    def _digests_in_range(self) -> Conversion:
+        bad = [k for k in self.digests if not 0 <= k < self.layers]
+        if bad:
+            raise ValueError(f"digests has layer {bad[0]} outside 0..{self.layers - 1}")
+        return self
+
+    def file_name(self, layer: int) -> str:
+        return self.file_template.replace("{layer}", str(layer))
+
+
+# --- serving -------------------------------------------------------------------------------
+
+
+class Serve(Strict):
+    command: list[str] | None = Field(
+        None,
+        description="replaces `python -m sglang.launch_server` (own builds, stand-ins); "
+        "elements may use {python} {host} {port} {model_path}; the derived flags go where an "
+        "element '{flags}' stands, else after the command (see pass_flags)",
+    )
+    pass_flags: bool = Field(
+        True, description="give `command` the derived sglang flags; false for other servers"
+    )
+    python: str = Field("python3", description="interpreter that runs the server")
+    host: str = Field("0.0.0.0", description="address the server listens on (`--host`)")
+    api_key_file: str | None = Field(
+        None, description="file holding sglang's --api-key (the key itself is never stored); "
+        "--api-key-file overrides it")
+    port: int = Field(8020, gt=0, lt=65536, description="port the server listens on (`--port`)")
+    device_type: str = Field("npu", description="sglang `--device`")
+    attention_backend: str = Field("ascend", description="sglang `--attention-backend`")
+    quantization: str = Field(
+        "compressed-tensors",
+        description="sglang `--quantization` of the NPU weights")
+    dtype: str = Field("bfloat16", description="sglang `--dtype`")
+    kt_method: str = Field("LLAMAFILE", description="kt-kernel CPU expert kernel (`--kt-method`)")
+    reserved_cores: int = Field(
+        4, ge=0, description="cores kept free of CPU-infer threads (NPU callback, python, OS)"
+    )
+    kml_lib_dir: str | None = Field(
+        "/usr/local/kml/lib", description="Kunpeng Math Library, put first on LD_LIBRARY_PATH "
+        "when the directory exists"
+    )
+    health_paths: list[str] = Field(
+        ["/health", "/health_generate"], description="readiness: each must answer 200, in order"
+    )
+    page_size: int = Field(128, gt=0, description="KV-cache page size in tokens (`--page-size`)")
+    mem_fraction_static: float = Field(
+        0.81, gt=0, lt=1,
+        description="fraction of HBM for weights and KV cache (`--mem-fraction-static`)")
+    mem_fraction_floor: float = Field(
+        0.81, gt=0, lt=1, description="lowest usable fraction: below it the KV pool holds less "
+        "than the context length (guide appendix G.1)")
+    mem_fraction_ladder: list[float] = Field(
+        [0.85, 0.83, 0.82, 0.81], description="fractions an HBM retry steps down through, to the "
+        "floor, before it lowers the resident experts (guide appendix G.1)")
+    kt_num_gpu_experts: int = Field(
+        32, ge=0,
+        description="routed experts kept resident on the NPU (about 1 GB of HBM each)")
+    kt_num_gpu_experts_max: int = Field(
+        40, ge=0, description="measured ceiling at context 65536 (launcher L299-300)")
+    gpu_experts_ladder: list[int] = Field(
+        [32, 24, 16],
+        description="fewer resident experts to retry with when KV-cache setup fails")
+    cpuinfer_default: int = Field(
+        32, gt=0, description="CPU-infer threads on a single-NUMA host (launcher L126)")
+    threads_per_numa: int = Field(16, gt=0, description="CPU-infer threads per NUMA node")
+    chunked_prefill_size: int = Field(
+        8192, gt=0,
+        description="a positive multiple of `page_size`, at least `longest_prompt_tokens`")
+    longest_prompt_tokens: int = Field(
+        2577, gt=0,
+        description="the longest prompt expected; one prefill chunk must cover it")
+    context_length: int = Field(
+        65536, gt=0,
+        description="maximum context in tokens (`--context-length`)")
+    max_prefill_tokens: int = Field(65535, gt=0, description="`--max-prefill-tokens`")
+    watchdog_timeout: int = Field(
+        18000, gt=0,
+        description="seconds before sglang's watchdog kills a stuck step (`--watchdog-timeout`)")
+    max_running_requests: int = Field(
+        1, gt=0,
+        description="concurrent requests (`--max-running-requests`)")
+    extra_args: list[str] = Field([], description="more server arguments, appended as given")
+    env: dict[str, str] = Field({}, description="environment set for the server")
+    unset_env: list[str] = Field([], description="variables removed from the server's environment")
+    cann_set_env: list[str] = Field(
+        [],
+        description="CANN `set_env.sh` scripts whose environment is captured once and applied")
+    nsa_compressor_mode: Literal["auto", "split", "single"] = Field(
+        "auto",
+        description="`auto`: `split` on CANN 8.5, `single` on CANN >= 9")
+    readiness_timeout_s: float = Field(
+        900, gt=0,
+        description="seconds to wait for the health paths to answer")
+    stop_timeout_s: float = Field(
+        30, gt=0,
+        description="seconds between SIGTERM and SIGKILL on stop")
+
+    @model_validator(mode="after")
+    def _prefill_rules(self) -> Serve:
+        if self.kt_num_gpu_experts > self.kt_num_gpu_experts_max:
+            raise ValueError(
+                f"kt_num_gpu_experts {self.kt_num_gpu_experts} is above the measured ceiling "
+                f"kt_num_gpu_experts_max {self.kt_num_gpu_experts_max} (launcher L299-300: about "
+                "1 GB of HBM each); use 40 or fewer"
+            )
+        if self.chunked_prefill_size % self.page_size:
+            raise ValueError(
+                f"chunked_prefill_size {self.chunked_prefill_size} must be a positive multiple "
+                f"of page_size {self.page_size}; e.g. 8192"
+            )
+        if self.chunked_prefill_size < self.longest_prompt_tokens:
+            raise ValueError(
+                f"chunked_prefill_size {self.chunked_prefill_size} must be >= "
+                f"longest_prompt_tokens {self.longest_prompt_tokens} (the NSA compressor needs "
+                "one chunk to cover the prompt)"
+            )
+        return self
+
+
+# --- acceptance ----------------------------------------------------------------------------
+
+
+class Probe(Strict):
+    name: Name = Field(description="unique plain name")
+    prompt: str = Field(min_length=1, description="the prompt sent")
+    expect_any: list[str] = Field(min_length=1, description="the answer must contain one")
+    max_new_tokens: int = Field(64, gt=0, description="tokens to generate")
+    chat: bool = Field(False, description="send as a chat message instead of a raw completion")
+
+
+class Degeneration(Strict):
+    """The guide's "garbled, all repeated characters or NaN" (§8, G345) as thresholds."""
+
+    max_char_run: int = Field(
+        12, gt=1,
+        description="longest run of one repeated character allowed in an answer")
+    max_token_run: int = Field(6, gt=1, description="one token repeated more times fails")
+    max_loop_repeats: float = Field(
+        4, gt=1, description="a loop of 2 to min_sentence_period-1 tokens repeated more fails")
+    min_sentence_period: int = Field(
+        8, gt=2, description="a cycle this long or longer is a repeated sentence: it passes "
+        "with a note (greedy decoding does this)")
+    max_scripts: int = Field(3, gt=0, description="more writing systems mixed is token soup "
+                             "(a Chinese answer may quote a Latin and a Cyrillic name)")
+    min_script_share: float = Field(
+        0.05, gt=0, lt=1, description="a writing system counts only above this share of letters")
+    max_symbol_share: float = Field(
+        0.3, gt=0, lt=1, description="more symbols than this share of the text is garbage")
+
+
+class LogMarker(Strict):
+    """A server log line to look for; a plain string in the recipe is its pattern."""
+
+    pattern: str = Field(min_length=1, description="a Python regular expression")
+    name: str = Field("", description="a short name shown in the report")
+    when_env: dict[str, str] = Field(
+        {}, description="checked only when the server's environment has these values")
+    fix: str = Field("", description="what to do when the check fails")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_string(cls, value: Any) -> Any:
+        return {"pattern": value} if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _compiles(self) -> LogMarker:
+        try:
+            re.compile(self.pattern)
+        except re.error as exc:
+            raise ValueError(f"pattern {self.pattern!r} is not a regular expression ({exc})"
+                             ) from None
+        return self
+
+    @property
+    def label(self) -> str:
+        return repr(self.name or self.pattern)
+
+
+class Throughput(Strict):
+    """decode_throughput_test.sh's method: buckets, warm-up per bucket, new tokens, repeats."""
+
+    prompt_buckets: list[int] = Field(
+        [130, 1000, 8000, 16000, 32000], min_length=1,
+        description="prompt lengths in tokens to measure decode speed at")
+    new_tokens: int = Field(1000, gt=0, description="tokens generated per measurement")
+    repeats: int = Field(3, gt=0, description="measurements per bucket (the median counts)")
+    warmup: int = Field(1, ge=0, description="full generations discarded before each bucket")
+    quick_new_tokens: int = Field(64, gt=0, description="accept --quick: tokens per request")
+    reference_tok_s: float = Field(gt=0, description="the delivery's decode speed, tokens/s")
+    reference_range: tuple[float, float] = Field(description="[low, high] tokens/s accepted")
+
+
+class Acceptance(Strict):
+    api: Literal["native", "openai"] = Field(
+        "native",
+        description="`native` sglang `/generate` or `openai` `/v1/completions`")
+    request_timeout_s: float = Field(300, gt=0, description="seconds per request")
+    probes: list[Probe] = Field(
+        min_length=1,
+        description="prompts whose answers must contain an expected string")
+    determinism_probe: Name = Field(
+        description="the probe sent twice at temperature 0; both answers must match")
+    degeneration: Degeneration = Field(
+        Degeneration(),
+        description="thresholds that flag repetitive output")
+    log_markers_required: list[LogMarker] = Field(
+        [],
+        description="lines the server log must show, read after all of accept's traffic: a "
+        "regular expression, or {name, pattern, when_env, fix}")
+    log_markers_forbidden: list[LogMarker] = Field(
+        [],
+        description="lines the server log must never show (same forms as the required ones)")
+    throughput: Throughput = Field(description="decode-speed measurement and its reference")
+    gpqa_reference_pct: float | None = Field(
+        None,
+        description="the delivery's GPQA score, for comparison")
+
+    @model_validator(mode="after")
+    def _refs(self) -> Acceptance:
+        no_duplicates([p.name for p in self.probes], "probes", "name")
+        if self.determinism_probe not in {p.name for p in self.probes}:
+            raise ValueError(f"determinism_probe '{self.determinism_probe}' is not a probe name")
+        return self
+
+
+# --- selftest ------------------------------------------------------------------------------
+
+
+class SelftestEmulator(Strict):
+    """Run the self-test's child under a user-mode emulator (an aarch64 build on x86)."""
+
+    command: str = Field("qemu-aarch64", description="the user-mode emulator")
+    cpu: str = Field("cortex-a76", description="qemu -cpu model (cortex-a76: Kunpeng-920 class)")
+    sysroot: RelPath = Field(description="the guest's root (qemu -L), relative to the workspace")
+    python: RelPath = Field(description="the guest python, inside the sysroot")
+    pythonpath: list[str] = Field(
+        [], description="extra PYTHONPATH entries (numpy...), relative to the workspace unless "
+        "absolute; kt-kernel's python dir comes first by itself")
+
+
+class Selftest(Strict):
+    """A tiny synthetic MXFP4 MoE layer through kt-kernel against a numpy reference."""
+
+    experts: int = Field(8, gt=0, description="routed experts of the synthetic layer")
+    hidden: int = Field(256, gt=0, description="hidden size")
+    intermediate: int = Field(256, gt=0, description="MoE intermediate size (a multiple of 256)")
+    top_k: int = Field(2, gt=0, description="experts per token")
+    tokens: list[int] = Field([4, 16], min_length=1, description="one forward per entry")
+    min_cosine: float = Field(0.9995, gt=0, le=1, description="cosine against numpy, per run")
+    max_rel_l2: float = Field(0.03, gt=0, description="activations go through Q8_0: ~1-1.5 %")
+    timeout_s: float = Field(120, gt=0, description="per forward, import and load included")
+    threads: int = Field(1, gt=0, description="kt-kernel worker threads")
+    seed: int = Field(0, ge=0, description="seed of the synthetic weights and tokens")
+    api: Literal["auto", "low-level", "wrapper"] = Field(
+        "auto", description="auto: KTMoEWrapper where torch_npu imports, else the low-level API")
+    emulator: SelftestEmulator | None = Field(
+        None, description="run the child under qemu (an aarch64 build on an x86 machine)")
+    module_dir: RelPath | None = Field(
+        None, description="where kt_kernel_ext*.so is, relative to the workspace (default: "
+        "the kt-kernel build step's workdir + /python, where an in-place build puts it)")
+
+    @model_validator(mode="after")
+    def _shapes(self) -> Selftest:
+        # kt-kernel: MXFP4 blocks of 32 along K, m_block 32 task split (utils/llamafile.py)
+        for label, value in (("hidden", self.hidden), ("intermediate", self.intermediate)):
+            if value % 32:
+                raise ValueError(f"{label} {value} must be a multiple of 32 (MXFP4 block and "
+                                 "kt-kernel's m_block)")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k {self.top_k} must be <= experts {self.experts}")
+        if any(t <= 0 for t in self.tokens):
+            raise ValueError("tokens must be positive counts, e.g. [4, 16]")
+        return self
+
+
+# --- host ----------------------------------------------------------------------------------
+
+
+class Host(Strict):
+    arch: str = Field("aarch64", description="CPU architecture (`uname -m`)")
+    cpu_flags_required: list[str] = Field(
+        ["asimd", "asimddp"],
+        description="CPU flags that must be present (/proc/cpuinfo)")
+    cpu_flags_build_off: list[str] = Field(
+        ["sve", "bf16", "i8mm"],
+        description="flags the builds must keep off even when the CPU has them")
+    min_cores: int = Field(32, gt=0, description="minimum CPU cores")
+    memory_min_gib: float = Field(160, gt=0, description="RAM below which doctor fails")
+    memory_recommended_gib: float = Field(256, gt=0, description="RAM below which doctor warns")
+    disk_min_gib: float = Field(
+        415, gt=0,
+        description="free disk in the workspace below which doctor fails")
+    disk_recommended_gib: float = Field(600, gt=0, description="free disk below which doctor warns")
+    npu_models: list[str] = Field(
+        description="NPU models the recipe serves on; [] for a recipe without an NPU (its "
+        "doctor then checks no NPU, device node or CANN)")
+    hbm_min_gib: float = Field(32, gt=0, description="minimum HBM per NPU")
+    npu_device_nodes: list[str] = Field(
+        [],
+        description="device files that must exist (e.g. /dev/davinci0)")
+    cann_min_version: str = Field("8.5.0", description="minimum CANN toolkit version")
+    python: str = Field("3.11", description="required Python version (major.minor)")
+    tools: dict[str, str] = Field({}, description="tool -> minimum version")
+    libraries: list[str] = Field(
+        ["hwloc", "numa"],
+        description="development libraries the builds need (headers or .so)")
+    pkg_config: list[str] = Field([], description="modules `pkg-config --exists` must find")
+    python_modules: list[str] = Field([], description="modules the build python must import")
+    docker: Literal["required", "recommended", "unused"] = Field(
+        "recommended",
+        description="whether a container runtime is needed")
+
+
