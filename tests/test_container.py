@@ -72,23 +72,35 @@ def docker_env(tmp_path: Path) -> dict[str, str]:
             "open(os.path.join(root, 'apt.log'), 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
             "if sys.argv[1] == 'install':\n"
             "    open(os.path.join(root, 'hwloc'), 'w').close()\n")
-    # the image's python: pip is recorded, anything else runs this tool for real
-    _script(bin_dir / "image-python", "import json, os, sys\n"
-            "if sys.argv[1:3] == ['-m', 'pip']:\n"
-            "    root = os.environ['FAKE_CONTAINER_ROOT']\n"
-            "    open(os.path.join(root, 'pip.log'), 'a').write(json.dumps(sys.argv[3:]) + '\\n')\n"
+    # the image's python: `-m venv DIR` makes a venv whose python records pip and runs
+    # anything else (this tool) for real; the real engine test (test_docker_engine.py) runs
+    # the real venv and pip
+    venv_python = ("import json, os, sys\n"
+                   "if sys.argv[1:3] == ['-m', 'pip']:\n"
+                   "    root = os.environ['FAKE_CONTAINER_ROOT']\n"
+                   "    open(os.path.join(root, 'pip.log'), 'a').write(json.dumps(sys.argv[3:]) "
+                   "+ '\\n')\n"
+                   "    sys.exit(0)\n"
+                   f"os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n")
+    _script(bin_dir / "image-python", "import os, stat, sys\n"
+            "if sys.argv[1:3] == ['-m', 'venv']:\n"
+            "    os.makedirs(os.path.join(sys.argv[3], 'bin'), exist_ok=True)\n"
+            "    exe = os.path.join(sys.argv[3], 'bin', 'python')\n"
+            f"    open(exe, 'w').write('#!{sys.executable}\\n' + {venv_python!r})\n"
+            "    os.chmod(exe, 0o755)\n"
             "    sys.exit(0)\n"
             f"os.execv({sys.executable!r}, [{sys.executable!r}, *sys.argv[1:]])\n")
+    # the wheelhouse an air-gapped site prepares (the recorded pip reads nothing from it)
+    (tmp_path / "wheelhouse").mkdir()
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "FAKE_DOCKER": str(tmp_path / "docker"), "DSV4_HOST_ROOT": str(FIXTURE),
+           "DSV4_WHEELHOUSE": str(tmp_path / "wheelhouse"),
            "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")])}
     return env
 
 
 def _args(ws: Path, *extra: str) -> list[str]:
-    return ["--workspace", str(ws), "--set", "runtime.python=image-python",
-            "--set", f"runtime.tool_dir={ws.parent}/docker/fs/{NAME}/opt/dsv4-offload",
-            *extra]
+    return ["--workspace", str(ws), "--set", "runtime.python=image-python", *extra]
 
 
 def _calls(env: dict[str, str]) -> list[list[str]]:
@@ -125,9 +137,16 @@ def test_up_runs_the_delivery_docker_run_pulls_and_installs(
     apt = [json.loads(x) for x in (_fs(docker_env) / "apt.log").read_text().splitlines()]
     assert apt == [["update"], ["install", "-y", "libhwloc-dev", "libhwloc15", "pkg-config"]]
     pip = [json.loads(x) for x in (_fs(docker_env) / "pip.log").read_text().splitlines()]
-    wheel = next(c for c in calls if c[1] == "cp")[3].split(":", 1)[1]
-    assert wheel.endswith("-py3-none-any.whl") and Path(wheel).is_file()
-    assert pip[0][-3:] == ["--force-reinstall", "--no-deps", wheel] and pip[1][-1] == wheel
+    # the tool's own venv in the workspace, made by the image's python, never the server's
+    # interpreter; its packages from the workspace's wheelhouse only (no index)
+    venv = ws / ".dsv4" / "container-venv"
+    assert ["exec", NAME, "image-python", "-m", "venv", str(venv)] == calls[
+        next(i for i, c in enumerate(calls) if "venv" in c)][1:]
+    (wheel,) = (ws / ".dsv4" / "wheels").glob("*-py3-none-any.whl")
+    assert pip[0][-3:] == ["--force-reinstall", "--no-deps", str(wheel)]
+    assert pip[1][-1] == str(wheel)
+    assert all("--no-index" in args and "--find-links" in args for args in pip)
+    assert not any(c[1] == "cp" for c in calls)
     import zipfile
 
     names = zipfile.ZipFile(wheel).namelist()
@@ -175,9 +194,10 @@ def test_stale_container_is_replaced_with_a_message(
     verbs = [c[1] for c in _calls(docker_env)]
     assert verbs.count("run") == 2 and verbs.index("rm") > verbs.index("run")
     assert _without_label(_runs(docker_env)[1]) == delivery_argv(ws, [0])
-    # a new container has lost hwloc and the tool: both installed again
+    # a new container has lost hwloc: installed again; the tool lives in the workspace's
+    # venv and is still there
     apt = (_fs(docker_env) / "apt.log").read_text().splitlines()
-    assert len(apt) == 2 and (_fs(docker_env) / "pip.log").exists()
+    assert len(apt) == 2 and not (_fs(docker_env) / "pip.log").exists()
     # another image: replaced, and the message says so
     r = cli(*_args(ws, "--set", "runtime.image=example/other:1"), "container", "up",
             "--devices", "0", env=docker_env)

@@ -114,8 +114,8 @@ def status(ctx: typer.Context, devices: str | None = _DEVICES) -> None:
     from dsv4_offload.cli.render import simple_table
     from dsv4_offload.serving.container import container_status
 
-    _, plan = _plan(ctx, devices)
-    st = container_status(plan)
+    pctx, plan = _plan(ctx, devices)
+    st = container_status(plan, pctx.workspace)
     found = st.found
     rows = [("container", f"{plan.name} ({found.id[:12]}, {found.state})" if found
              else f"{plan.name} (none)"),

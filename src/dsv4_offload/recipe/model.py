@@ -55,8 +55,12 @@ class Runtime(Strict):
     packages: list[str] = Field(
         ["libhwloc-dev", "libhwloc15", "pkg-config"],
         description="apt packages the image lacks (guide G105-108: lost when recreated)")
-    python: str = Field("python3.11", description="the image's python, runs this tool inside")
-    tool_dir: str = Field("/opt/dsv4-offload", description="where the tool's wheel goes inside")
+    python: str = Field(
+        "python3.11", description="the image's python: makes this tool's own venv in the "
+        "workspace (the server keeps its interpreter and packages)")
+    install_timeout: float = Field(
+        900, gt=0, description="seconds each install step inside may take (apt, venv, pip "
+        "from the host-filled wheelhouse); past it the step fails with the offline way")
     stages: list[str] = Field(
         ["build", "selftest", "serve", "accept"],
         description="stages `run` sends into the container; the others stay on the host")

@@ -17,14 +17,14 @@ from dsv4_offload.recipe.overrides import unwrap
 
 REGENERATE = "dsv4-offload recipe reference > docs/recipe-reference.md"
 
-# the constrained string types of recipe.py, by their validator's name
+# the constrained string types of recipe/fields.py, by their validator's name
 _NAMED_STR = {"_commit": "commit", "_sha256": "sha256", "_name": "name",
               "_relative_path": "relative path", "_url": "git URL"}
 
 _HEAD = f"""\
 # Recipe and series reference
 
-<!-- generated from src/dsv4_offload/recipe.py by `{REGENERATE}`; do not edit -->
+<!-- generated from src/dsv4_offload/recipe/ by `{REGENERATE}`; do not edit -->
 
 A **recipe** (`recipes/*.yaml`, also shipped inside the package) pins everything one
 deployment needs. A **series** (`patches/*.yaml`) lists the patches to apply, in order.

@@ -27,6 +27,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import zipfile
 from dataclasses import dataclass, field
@@ -67,8 +68,8 @@ class ContainerPlan:
     port: int
     shm_size: str
     python: str
-    tool_dir: str
     packages: list[str]
+    install_timeout: float
 
     @property
     def digest(self) -> str:
@@ -148,7 +149,8 @@ def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None 
         devices=device_nodes(chosen, host_root),
         mounts=list(runtime.mounts) + workspace_mounts(workspace, recipe),
         port=recipe.serve.port, shm_size=runtime.shm_size, python=runtime.python,
-        tool_dir=runtime.tool_dir, packages=list(runtime.packages))
+        packages=list(runtime.packages),
+        install_timeout=runtime.install_timeout)
 
 
 def inside_container() -> bool:
@@ -197,8 +199,10 @@ def docker_query(args: list[str]) -> tuple[int, str]:
     return proc.returncode, proc.stdout
 
 
-def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) -> None:
-    """A docker command whose output goes to the log; a failure names ``what`` failed."""
+def docker_run(args: list[str], log: Path, what: str, task: Task | None = None,
+               timeout: float | None = None) -> None:
+    """A docker command whose output goes to the log (and, a line at a time, to the progress
+    line); a failure or a timeout names ``what`` failed."""
     from dsv4_offload.workspace.runner import CommandFailed, run_command
 
     def on_line(line: str) -> None:
@@ -206,7 +210,7 @@ def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) 
             task.update(description=f"{what}: {line.strip()[:60]}")
 
     try:
-        run_command(["docker", *args], log=log, on_line=on_line, check=True)
+        run_command(["docker", *args], log=log, on_line=on_line, check=True, timeout=timeout)
     except CommandFailed as exc:
         raise Dsv4Error(f"{what} failed: {exc.message}", log=str(log)) from None
 
@@ -348,16 +352,29 @@ def _exec(plan: ContainerPlan, command: list[str]) -> list[str]:
     return ["exec", plan.name, *command]
 
 
+PACKAGES_OFFLINE = ("the container has no network to the package mirror: bake them into the "
+                    "image (a Dockerfile `FROM <image>` + `RUN apt-get install -y {pkgs}`) and "
+                    "set runtime.image to it, or point apt inside at a reachable mirror")
+
+
 def ensure_packages(plan: ContainerPlan, log: Path, task: Task | None = None) -> str:
-    """hwloc and pkg-config inside: checked every time (lost when the container is new)."""
+    """hwloc and pkg-config inside: checked every time (lost when the container is new).
+
+    The install streams apt's own output to the log and the progress line and stops after
+    ``plan.install_timeout`` seconds: an image without a route to its mirror says so."""
     if not plan.packages:
         return "none asked"
     code, _ = docker_query(_exec(plan, ["sh", "-c", PACKAGES_CHECK]))
     if code == 0:
         return "present"
     wanted = " ".join(plan.packages)
-    docker_run(_exec(plan, ["sh", "-c", f"apt-get update && apt-get install -y {wanted}"]), log,
-               f"installing {wanted} in {plan.name}", task)
+    try:
+        docker_run(_exec(plan, ["sh", "-c", f"apt-get update && apt-get install -y {wanted}"]),
+                   log, f"installing {wanted} in {plan.name}", task,
+                   timeout=plan.install_timeout)
+    except Dsv4Error as exc:
+        raise Dsv4Error(f"{exc.one_line()}; {PACKAGES_OFFLINE.format(pkgs=wanted)}",
+                        log=str(log)) from None
     code, _ = docker_query(_exec(plan, ["sh", "-c", PACKAGES_CHECK]))
     if code != 0:
         raise Dsv4Error(f"{plan.name}: {wanted} installed but `{PACKAGES_CHECK}` still fails; "
@@ -365,28 +382,139 @@ def ensure_packages(plan: ContainerPlan, log: Path, task: Task | None = None) ->
     return "installed"
 
 
+# --- this tool inside: its own venv in the workspace, from a wheelhouse the host fills ------
+
+# What the container's python is: the wheelhouse must match its version, machine and glibc.
+_PROBE = ("import platform, sys; print(f'{sys.version_info[0]}.{sys.version_info[1]}', "
+          "platform.machine(), platform.libc_ver()[1] or '2.17')")
+
+
+@dataclass(frozen=True)
+class Target:
+    """The interpreter the tool's venv is made from, inside the container."""
+
+    python: str  # "3.11"
+    machine: str  # "aarch64" | "x86_64"
+    glibc: str  # "2.35"
+
+    @property
+    def key(self) -> str:
+        return f"cp{self.python.replace('.', '')}-{self.machine}-glibc{self.glibc}"
+
+    def pip_platform_args(self) -> list[str]:
+        """``pip download`` options for binary wheels this interpreter can load."""
+        major, minor = (int(x) for x in self.glibc.split(".")[:2])
+        tags = [f"manylinux_{major}_{m}_{self.machine}" for m in range(minor, 16, -1)]
+        tags += [f"manylinux2014_{self.machine}"]
+        args = ["--only-binary=:all:", "--implementation", "cp", "--python-version",
+                self.python, "--abi", f"cp{self.python.replace('.', '')}", "--abi", "abi3",
+                "--abi", "none"]
+        for tag in tags:
+            args += ["--platform", tag]
+        return args + ["--platform", "any"]
+
+
+def container_target(plan: ContainerPlan) -> Target:
+    code, out = docker_query(_exec(plan, [plan.python, "-c", _PROBE]))
+    parts = out.split()
+    if code != 0 or len(parts) != 3:
+        raise Dsv4Error(f"{plan.name}: `{plan.python}` does not run inside the container; set "
+                        "runtime.python to the image's python (e.g. python3.11)")
+    return Target(*parts)
+
+
+def tool_venv(workspace: Workspace) -> Path:
+    """The tool's own venv, in the workspace (mounted at the same path inside): never the
+    server's interpreter, so the image's packages (the patched gguf-py) stay as they are."""
+    return workspace.meta_dir / "container-venv"
+
+
+def tool_python(workspace: Workspace) -> str:
+    return str(tool_venv(workspace) / "bin" / "python")
+
+
+WHEELHOUSE_ENV = "DSV4_WHEELHOUSE"  # a wheelhouse prepared elsewhere (no PyPI on this host)
+
+
+def fill_wheelhouse(wheel: Path, target: Target, workspace: Workspace, log: Path,
+                    task: Task | None = None, timeout: float | None = None) -> Path:
+    """Binary wheels of the tool's dependencies for ``target``, fetched on the host (the
+    container may have no network); done once per dependency list and target.
+
+    ``$DSV4_WHEELHOUSE`` names a directory filled elsewhere (an air-gapped site): its wheels
+    are copied into the workspace (the container sees only the workspace) and nothing is
+    downloaded; pip inside names any wheel that is missing."""
+    from dsv4_offload.workspace.runner import CommandFailed, run_command
+
+    house = workspace.meta_dir / "wheelhouse" / target.key
+    house.mkdir(parents=True, exist_ok=True)
+    given = os.environ.get(WHEELHOUSE_ENV)
+    if given:
+        if not Path(given).is_dir():
+            raise InputError(f"{WHEELHOUSE_ENV}={given}: not a directory; fill one with "
+                             f"`pip download --dest DIR {shlex.join(target.pip_platform_args())}"
+                             " dsv4-offload` or unset it")
+        for found in sorted(Path(given).glob("*.whl")):
+            if not (house / found.name).exists():
+                shutil.copyfile(found, house / found.name)
+        return house
+    requires = sorted(_requires_dist())
+    stamp = house / "requirements.sha256"
+    want = hashlib.sha256(json.dumps(requires).encode()).hexdigest()
+    if stamp.exists() and stamp.read_text().strip() == want:
+        return house
+    argv = [sys.executable, "-m", "pip", "download", "--disable-pip-version-check",
+            "--no-input", "--dest", str(house), *target.pip_platform_args(), str(wheel)]
+    try:
+        run_command(argv, log=log, timeout=timeout,
+                    on_line=(lambda line: task.update(description=f"wheelhouse: {line[:60]}"))
+                    if task is not None else None)
+    except CommandFailed as exc:
+        raise Dsv4Error(
+            f"fetching the tool's dependencies for the container ({target.key}) failed: "
+            f"{exc.message}; on a host without PyPI, fill {house} elsewhere with "
+            f"`pip download --dest DIR {shlex.join(target.pip_platform_args())} "
+            f"dsv4-offload` and copy DIR there", log=str(log)) from None
+    from dsv4_offload.workspace.store import atomic_write_bytes
+
+    atomic_write_bytes(stamp, want.encode())
+    return house
+
+
+def _requires_dist() -> list[str]:
+    import importlib.metadata as md
+
+    return list(md.distribution("dsv4-offload").requires or [])
+
+
 def ensure_tool(plan: ContainerPlan, workspace: Workspace, log: Path,
                 task: Task | None = None) -> tuple[str, str]:
-    """This tool inside, from a wheel of the running install; reinstalled when it differs."""
+    """This tool inside, in its own venv in the workspace, from a wheel of the running
+    install and a wheelhouse the host fills; reinstalled when the wheel differs."""
     wheels = workspace.meta_dir / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     wheel = build_self_wheel(wheels)
     digest = file_sha256(wheel)
-    marker = f"{plan.tool_dir}/wheel.sha256"
-    code, out = docker_query(_exec(plan, ["cat", marker]))
+    venv = tool_venv(workspace)
+    marker = venv / "dsv4-offload-wheel.sha256"
+    code, out = docker_query(_exec(plan, ["cat", str(marker)]))
     if code == 0 and out.strip() == digest:
         return "present", digest
-    inside = f"{plan.tool_dir}/{wheel.name}"
-    docker_run(_exec(plan, ["mkdir", "-p", plan.tool_dir]), log, "preparing the tool dir", task)
-    docker_run(["cp", str(wheel), f"{plan.name}:{inside}"], log, "copying the tool in", task)
-    # the version number does not change between builds of the tool: force the files in,
-    # then let pip bring any missing dependency
-    pip = [plan.python, "-m", "pip", "install", "--no-input", "--disable-pip-version-check"]
-    docker_run(_exec(plan, [*pip, "--force-reinstall", "--no-deps", inside]), log,
-               f"installing dsv4-offload in {plan.name}", task)
-    docker_run(_exec(plan, [*pip, inside]), log, "installing its dependencies", task)
-    docker_run(_exec(plan, ["sh", "-c", f"printf %s {digest} > {shlex.quote(marker)}"]), log,
-               "recording the tool's digest", task)
+    target = container_target(plan)
+    house = fill_wheelhouse(wheel, target, workspace, log, task, timeout=plan.install_timeout)
+    if not (venv / "bin" / "python").exists():
+        docker_run(_exec(plan, [plan.python, "-m", "venv", str(venv)]), log,
+                   f"making the tool's venv in {plan.name}", task, timeout=plan.install_timeout)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--no-input",
+           "--disable-pip-version-check", "--no-index", "--find-links", str(house)]
+    # the version number does not change between builds of the tool: force its files in,
+    # then the dependencies from the wheelhouse alone (no index, no network)
+    docker_run(_exec(plan, [*pip, "--force-reinstall", "--no-deps", str(wheel)]), log,
+               f"installing dsv4-offload in {plan.name}", task, timeout=plan.install_timeout)
+    docker_run(_exec(plan, [*pip, str(wheel)]), log, "installing its dependencies", task,
+               timeout=plan.install_timeout)
+    docker_run(_exec(plan, ["sh", "-c", f"printf %s {digest} > {shlex.quote(str(marker))}"]),
+               log, "recording the tool's digest", task)
     return "installed", digest
 
 
@@ -408,15 +536,17 @@ class ContainerStatus:
                 "tool_digest": self.tool_digest, "image_arch": self.image_arch}
 
 
-def container_status(plan: ContainerPlan) -> ContainerStatus:
+def container_status(plan: ContainerPlan, workspace: Workspace) -> ContainerStatus:
     require_docker()
     found = find_container(plan.name)
     status = ContainerStatus(plan, found, bool(found and found.digest == plan.digest),
                              image_arch=image_architecture(plan.image))
     if found is not None and found.state == "running":
-        code, out = docker_query(_exec(plan, [plan.python, "-m", "dsv4_offload", "--version"]))
+        code, out = docker_query(_exec(plan, [tool_python(workspace), "-m", "dsv4_offload",
+                                              "--version"]))
         status.tool_version = out.strip() if code == 0 else None
-        code, out = docker_query(_exec(plan, ["cat", f"{plan.tool_dir}/wheel.sha256"]))
+        code, out = docker_query(_exec(plan, ["cat", str(tool_venv(workspace)
+                                                         / "dsv4-offload-wheel.sha256")]))
         status.tool_digest = out.strip() if code == 0 else None
     return status
 
@@ -459,7 +589,7 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
     for key, value in (env or {}).items():
         argv += ["-e", f"{key}={value}"]
-    argv += ["-w", str(workspace.root), plan.name, plan.python, "-m", "dsv4_offload",
+    argv += ["-w", str(workspace.root), plan.name, tool_python(workspace), "-m", "dsv4_offload",
              "--workspace", str(workspace.root), *recipe_argument(recipe_spec, plan)]
     for item in overrides:
         argv += ["--set", item]
