@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error
-from dsv4_offload.workspace.store import atomic_write_bytes, now_iso
+from dsv4_offload.core.clock import now_iso
+from dsv4_offload.workspace.store import atomic_write_bytes
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import BuildStep, FileEdit, Recipe, RunPackage

@@ -199,7 +199,7 @@ def docker_query(args: list[str]) -> tuple[int, str]:
 
 def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) -> None:
     """A docker command whose output goes to the log; a failure names ``what`` failed."""
-    from dsv4_offload.workspace.runner import CommandFailed, run_command
+    from dsv4_offload.core.runner import CommandFailed, run_command
 
     def on_line(line: str) -> None:
         if task is not None:

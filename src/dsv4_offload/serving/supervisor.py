@@ -463,7 +463,7 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
 
 def supervise(spec: dict[str, Any]) -> int:
     """The detached supervisor's body: run the server, keep the record, stop it on a signal."""
-    from dsv4_offload.workspace.store import now_iso
+    from dsv4_offload.core.clock import now_iso
 
     record_path = Path(spec["record"])
     server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),

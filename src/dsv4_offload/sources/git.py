@@ -226,7 +226,7 @@ def _progress_reader(task: Task | None, received: list[int]) -> Callable[[str], 
 
 
 def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[bool, str, int]:
-    from dsv4_offload.workspace.runner import CommandFailed, run_command
+    from dsv4_offload.core.runner import CommandFailed, run_command
 
     received = [0]
     done = threading.Event()
@@ -394,7 +394,8 @@ def apply_source_locks(recipe: Recipe, lock_file: Path) -> list[str]:
 
 def write_source_lock(lock_file: Path, source: Source, commit: str) -> None:
     """Record a resolved prefix (atomically) so later fetches use the same commit."""
-    from dsv4_offload.workspace.store import atomic_write_json, now_iso
+    from dsv4_offload.core.clock import now_iso
+    from dsv4_offload.workspace.store import atomic_write_json
 
     locks = read_source_locks(lock_file)
     locks[source.name] = {"commit_prefix": source.commit_prefix or "",
@@ -536,7 +537,7 @@ def create_checkout(path: Path, source: Source, log: Path) -> None:
     Built beside the target and renamed into place, so an interrupted fetch never leaves a
     half-made checkout that the next run would have to call "not ours".
     """
-    from dsv4_offload.workspace.runner import run_command
+    from dsv4_offload.core.runner import run_command
 
     env = git_env()
     cache = cache_repo_path(source.name)
@@ -613,7 +614,7 @@ def _configure_partial(repo: Path, url: str) -> None:
 
 
 def _run_fetch(repo: Path, args: list[str], log: Path) -> tuple[bool, list[str]]:
-    from dsv4_offload.workspace.runner import run_command
+    from dsv4_offload.core.runner import run_command
 
     lines: list[str] = []
     res = run_command(["git", "fetch", "--no-tags", "--no-write-fetch-head", *args], log=log,

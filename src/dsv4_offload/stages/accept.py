@@ -20,13 +20,14 @@ from typing import Any
 
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status, Task
 from dsv4_offload.recipe import Acceptance, LogMarker, Probe
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.plan import connect_url
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso
+from dsv4_offload.workspace.store import atomic_write_json
 
 OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang's /health
 

@@ -39,10 +39,10 @@ from dsv4_offload.build.bringup import KT_KERNEL_STEP
 from dsv4_offload.build.interpreter import build_python
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.runner import failure_excerpt, run_command
 from dsv4_offload.recipe import BuildStep, Recipe
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.runner import failure_excerpt, run_command
 from dsv4_offload.workspace.store import Workspace, read_json
 
 # the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)

@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.host import (
     HostFacts,
     NpuInfo,
@@ -27,7 +28,7 @@ from dsv4_offload.core.host import (
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso
+from dsv4_offload.workspace.store import atomic_write_json
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024**3

@@ -14,8 +14,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error
-from dsv4_offload.workspace.store import now_iso
 
 TAIL_LINES = 200
 EXCERPT_LINES = 8
