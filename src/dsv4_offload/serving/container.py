@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import tempfile
 import zipfile
@@ -34,6 +33,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import CommandFailed, capture, run_command, start
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, recipe_path, resolve_recipe_path
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
@@ -184,8 +184,7 @@ def require_docker() -> str:
 def docker_query(args: list[str]) -> tuple[int, str]:
     """A quick docker question (inspect, ps): exit code and stdout."""
     try:
-        proc = subprocess.run(["docker", *args], capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=_QUICK_TIMEOUT_S)
+        proc = capture(["docker", *args], timeout=_QUICK_TIMEOUT_S)
     except FileNotFoundError:
         raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
     except subprocess.TimeoutExpired:
@@ -199,7 +198,6 @@ def docker_query(args: list[str]) -> tuple[int, str]:
 
 def docker_run(args: list[str], log: Path, what: str, task: Task | None = None) -> None:
     """A docker command whose output goes to the log; a failure names ``what`` failed."""
-    from dsv4_offload.core.runner import CommandFailed, run_command
 
     def on_line(line: str) -> None:
         if task is not None:
@@ -530,8 +528,8 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        child = start(argv, stdout=subprocess.PIPE, stderr=err)
+        proc = child.proc
         try:
             out, _ = proc.communicate()
         except BaseException:
@@ -539,9 +537,7 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
                 on_interrupt()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=grace)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+            child.stop()
             raise
         err.write(f"=== exit {proc.returncode}\n".encode())
     return proc.returncode, out.decode("utf-8", errors="replace")

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import capture
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:
@@ -119,12 +120,11 @@ def has_commit(repo_dir: Path, commit: str) -> bool:
 
 
 def head_commit(repo_dir: Path) -> str | None:
-    """HEAD's commit, None without one. A plain subprocess, not GitPython: `status` asks this
+    """HEAD's commit, None without one. A plain git, not GitPython: `status` asks this
     of every patched source (build and patch fingerprints) and must stay fast."""
     try:
-        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD^{commit}"],
-                              cwd=repo_dir, env=git_env(), capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=60)
+        proc = capture(["git", "rev-parse", "--verify", "-q", "HEAD^{commit}"],
+                       cwd=repo_dir, env=git_env(), timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
