@@ -106,5 +106,5 @@ def test_a_started_child_is_its_own_group_and_stops_with_it() -> None:
         assert child.proc.stdout is not None
         grandchild = int(child.proc.stdout.readline())
         raise KeyboardInterrupt
-    assert child.poll() is not None
+    assert child.proc.poll() is not None
     assert _gone(grandchild), "the grandchild outlived the interrupt"

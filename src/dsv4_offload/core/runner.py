@@ -73,7 +73,6 @@ class CommandFailed(Dsv4Error):
     """An external command exited non-zero (or timed out)."""
 
     def __init__(self, args: list[str], result: CommandResult, reason: str | None = None) -> None:
-        self.args_list = args
         self.result = result
         excerpt = failure_excerpt(result.tail)
         what = reason or f"exit code {result.returncode}"
@@ -231,12 +230,6 @@ class Child:
     def pid(self) -> int:
         """The child's pid, which is also its process group's id."""
         return self.proc.pid
-
-    def poll(self) -> int | None:
-        return self.proc.poll()
-
-    def wait(self, timeout: float | None = None) -> int:
-        return self.proc.wait(timeout)
 
     def stop(self, grace: float = KILL_GRACE_S) -> None:
         """SIGTERM the group, SIGKILL after ``grace`` seconds; returns once the child is reaped."""

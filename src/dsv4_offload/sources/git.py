@@ -29,7 +29,6 @@ from dsv4_offload.core.runner import capture
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:
-    import git
 
     from dsv4_offload.core.results import Task
     from dsv4_offload.recipe import Recipe, Source
@@ -73,20 +72,6 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def require_git() -> None:
     if shutil.which("git") is None:
         raise Dsv4Error("git is not installed or not on PATH; install it (apt-get install git)")
-
-
-def git_version() -> str:
-    import git
-
-    require_git()
-    return ".".join(str(p) for p in git.Git().version_info)
-
-
-def open_repo(path: Path) -> git.Repo:
-    """A repository at exactly ``path`` (never a parent's: nested checkouts live in the tree)."""
-    import git
-
-    return git.Repo(path, search_parent_directories=False)
 
 
 def git_bytes(repo_dir: Path, *args: str) -> bytes:
@@ -599,8 +584,7 @@ class HistoryFetch:
     repo: Path
     commit: str  # what the ref names
     url: str
-    blobless: bool  # False: the host refused filters, the blobs came too
-    note: str = ""
+    note: str = ""  # set when the host refused filters and the blobs came too
 
 
 def _configure_partial(repo: Path, url: str) -> None:
@@ -661,7 +645,7 @@ def fetch_history(source: Source, ref: str, *, log: Path,
                     continue
             git_text(repo, "update-ref", PIN_REF_PREFIX + source.pinned, source.pinned)
             git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
-            return HistoryFetch(repo, commit, url, not note, note)
+            return HistoryFetch(repo, commit, url, note)
     raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "
                     f"({why}); give a branch, tag or full SHA that exists upstream, or pass "
                     f"--mirror {source.name}=URL", log=str(log))

@@ -75,10 +75,6 @@ DRIVER_FIX = (
 )
 
 
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:,.0f} GiB"
-
-
 def _device_option(ctx: StageContext) -> int | None:
     value = ctx.option("device")
     if value is None:
