@@ -62,7 +62,7 @@ def test_a_real_answer_cycling_through_a_sentence_passes_with_a_note(name):
     assert period >= CFG.min_sentence_period
     probe = Probe(name="p", prompt="Paris is", expect_any=["Paris" if "paris" in name else "E"])
     check = check_probe(probe, Reply(text, 200, 1.0), CFG)
-    assert check.ok and "note: cycles through" in check.detail and check.data["note"] == note
+    assert check.ok and "note: cycles through" in check.observed and check.data["note"] == note
 
 
 def test_the_real_scrambled_model_answers_empty_and_fails():
@@ -119,11 +119,11 @@ def test_probe_verdicts():
     probe = Probe(name="fr", prompt="The capital of France is", expect_any=["Paris"])
     assert check_probe(probe, Reply(" Paris.", 200, 0.1), CFG).ok
     wrong = check_probe(probe, Reply(" zorp quib flandle", 200, 0.1), CFG)
-    assert not wrong.ok and "does not mention Paris" in wrong.detail
+    assert not wrong.ok and "does not mention Paris" in wrong.observed
     empty = check_probe(probe, Reply("", 200, 0.1), CFG)
-    assert not empty.ok and "weight path" in empty.detail
+    assert not empty.ok and "weight path" in empty.observed
     http = check_probe(probe, Reply("HTTP 500: boom", 500, 0.1), CFG)
-    assert not http.ok and http.detail.startswith("HTTP 500")
+    assert not http.ok and http.observed.startswith("HTTP 500")
 
 
 def _run(rates: list[float]) -> list[dict]:
@@ -170,7 +170,7 @@ def test_the_recipe_markers_pass_the_guides_log_and_catch_the_patches_messages()
     assert sorted(failed) == ["log without 'GGUF dedup without a template'",
                               "log without 'streaming prefill fell back'"]
     fallback = failed["log without 'streaming prefill fell back'"]
-    assert fallback.detail.startswith("2x, first: \"[KT_STREAM] streaming failed")
+    assert fallback.observed.startswith("2x, first: \"[KT_STREAM] streaming failed")
     assert "MEM_FRACTION 0.81" in fallback.fix
 
 
@@ -180,7 +180,7 @@ def test_sglangs_generic_kv_line_does_not_stand_in_for_the_dsv4_pool():
                            "KV Cache is allocated. #tokens: 131072, KV size: 3.41 GB")
     failed = [c for c in check_log_markers(log, required, forbidden, "x.log") if c.ok is False]
     assert [c.name for c in failed] == ["log has 'KV pool sized'"]
-    assert failed[0].detail == "missing from x.log"
+    assert failed[0].observed == "missing from x.log"
 
 
 def test_the_depool_slot_is_required_only_with_depool_on():
@@ -215,11 +215,11 @@ def test_throughput_verdict_and_chart(tmp_path: Path):
     assert check_throughput(fast, cfg).ok
     slow = check_throughput(fast + [Bucket(8000, 7900, _run([12.9, 12.1, 13.5]))], cfg)
     assert not slow.ok and slow.gate
-    assert slow.detail.startswith("bucket 8000: median 12.9 tok/s, below the reference 13")
+    assert slow.observed.startswith("bucket 8000: median 12.9 tok/s, below the reference 13")
     assert not check_throughput(fast[:1] + [Bucket(8000, 7900, _run([4.0]))], cfg,
                                 gate=False).gate
     skipped = check_throughput([Bucket(16000, None, [], skipped="longer than the chunk")], cfg)
-    assert not skipped.ok and "nothing measured: longer than the chunk" in skipped.detail
+    assert not skipped.ok and "nothing measured: longer than the chunk" in skipped.observed
     png = write_chart(fast, tmp_path / "chart.png", 13, "test")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

@@ -26,6 +26,7 @@ from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.stages import convert
+from dsv4_offload.weights import convert as layer_options
 from dsv4_offload.weights.checkpoint import (
     INDEX_FILE,
     MoeDims,
@@ -179,16 +180,17 @@ def test_numpy_fallback_writes_the_same_bytes(converted: Path, checkpoint: Path,
 
 
 def test_layer_selection_and_jobs_defaults() -> None:
-    assert convert.parse_layers("0-2,5", 43) == [0, 1, 2, 5]
-    assert convert.parse_layers("3,5,7", 43) == [3, 5, 7]
-    assert convert.parse_layers(None, 3) == [0, 1, 2]
+    assert layer_options.parse_layers("0-2,5", 43) == [0, 1, 2, 5]
+    assert layer_options.parse_layers("3,5,7", 43) == [3, 5, 7]
+    assert layer_options.parse_layers(None, 3) == [0, 1, 2]
     with pytest.raises(InputError, match="outside 0..2"):
-        convert.parse_layers("0-3", 3)
+        layer_options.parse_layers("0-3", 3)
     with pytest.raises(InputError, match="not a number or a range"):
-        convert.parse_layers("x", 3)
-    assert convert.mem_available_bytes("MemTotal: 9 kB\nMemAvailable:  4096 kB\n") == 4096 * 1024
-    assert 1 <= convert.default_jobs(100) <= (os.cpu_count() or 1)
-    assert convert.default_jobs(1) == 1
+        layer_options.parse_layers("x", 3)
+    meminfo = "MemTotal: 9 kB\nMemAvailable:  4096 kB\n"
+    assert layer_options.mem_available_bytes(meminfo) == 4096 * 1024
+    assert 1 <= layer_options.default_jobs(100) <= (os.cpu_count() or 1)
+    assert layer_options.default_jobs(1) == 1
 
 
 def test_fingerprinting_the_gguf_stages_loads_no_numpy(tmp_path: Path) -> None:

@@ -28,6 +28,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
 )
 DOMAIN = LAYERS[3]
 MAX_LINES = 800
+# the one module that starts child processes (own session, group stopped on interrupt)
+RUNNER = "dsv4_offload.core.runner"
+_SPAWNERS = {"run", "Popen", "call", "check_output", "check_call"}
 
 
 def _modules() -> dict[str, Path]:
@@ -156,6 +159,38 @@ def test_the_package_top_stays_small() -> None:
     assert len(entries) <= 14, sorted(entries)
 
 
+def _direct_spawns(path: Path) -> list[int]:
+    """Lines of ``path`` that start a process with ``subprocess`` itself: ``subprocess.run(``
+    (the module under any name) or a spawner imported from it (``from subprocess import``)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    modules, functions = {"subprocess"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "subprocess"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "subprocess":
+            functions |= {a.asname or a.name for a in node.names if a.name in _SPAWNERS}
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        if (isinstance(f, ast.Attribute) and f.attr in _SPAWNERS
+                and isinstance(f.value, ast.Name) and f.value.id in modules) or (
+                isinstance(f, ast.Name) and f.id in functions):
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_only_the_runner_starts_processes() -> None:
+    """Every child goes through core/runner (logged or captured, its group stopped on Ctrl-C
+    or a timeout); a direct ``subprocess`` call elsewhere would skip that."""
+    direct = [f"{path.relative_to(ROOT.parent)}:{line}"
+              for name, path in sorted(_modules().items()) if name != RUNNER
+              for line in _direct_spawns(path)]
+    assert not direct, "subprocess called outside core/runner.py (use its capture, " \
+        "run_attached, start or run_command):\n" + "\n".join(direct)
+
+
 # the checker itself: it must see a cycle and an upward import where there are some
 
 
@@ -225,3 +260,12 @@ def test_a_new_stage_is_a_registry_row_and_a_module(tmp_path: Path) -> None:
     status = cli("--json", "status")
     rows = {r["name"]: r for r in __import__("json").loads(status.stdout)["data"]["stages"]}
     assert rows["inventory"]["state"] == "done", rows["inventory"]
+
+
+def test_the_spawn_checker_sees_every_form(tmp_path: Path) -> None:
+    code = ("import subprocess\nimport subprocess as sp\nfrom subprocess import Popen as P\n"
+            "subprocess.run(['x'])\nsp.check_output(['x'])\nP(['x'])\n"
+            "def f():\n    subprocess.call(['x'])\n"
+            "subprocess.TimeoutExpired(['x'], 1)\nrun(['x'])\n")
+    (tmp_path / "m.py").write_text(code)
+    assert _direct_spawns(tmp_path / "m.py") == [4, 5, 6, 8]

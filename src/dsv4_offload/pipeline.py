@@ -19,11 +19,11 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
 from dsv4_offload.core.results import StageResult
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import now_iso
 
 # --- fingerprints --------------------------------------------------------------------------
 

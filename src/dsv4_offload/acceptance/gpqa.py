@@ -12,12 +12,12 @@ import json
 import math
 import os
 import shutil
-import subprocess
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.runner import run_command
 
 # gpqa_accuracy_repeat.sh L59: temperature 1 is the standard GPQA setting; thinking off
 GENERATION_CONFIG = {"temperature": 1, "top_p": 1, "max_tokens": 32768,
@@ -96,11 +96,9 @@ def run_rounds(rounds: int, evalscope: str, model: str, api_url: str, api_key: s
         work = out_dir / f"R{i}"
         shutil.rmtree(work, ignore_errors=True)
         log = out_dir / f"R{i}.log"
-        out_dir.mkdir(parents=True, exist_ok=True)
-        with open(log, "w", encoding="utf-8") as fh:
-            proc = subprocess.run(command(evalscope, model, api_url, api_key, work),
-                                  stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                  check=False)
+        log.unlink(missing_ok=True)  # the round's log alone, not an earlier run's too
+        proc = run_command(command(evalscope, model, api_url, api_key, work), log=log,
+                           check=False, secrets=[api_key])
         result.logs.append(str(log))
         result.rounds.append(read_score(work) if proc.returncode == 0 else None)
     return result

@@ -11,9 +11,11 @@ import re
 import time
 import unicodedata
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from dsv4_offload.core.results import Check
 
 if TYPE_CHECKING:
     import requests
@@ -85,30 +87,6 @@ class Reply:
         if self.tokens < 2 or not self.decode_seconds:
             return None
         return (self.tokens - 1) / self.decode_seconds
-
-
-@dataclass
-class Check:
-    name: str
-    ok: bool | None  # None: skipped
-    detail: str
-    fix: str = ""
-    data: dict[str, Any] = field(default_factory=dict)
-    required: str = ""
-    gate: bool = True  # False: a failure is reported as a warning only
-    warning: bool = False  # passed, with something the user must read (the fix says what)
-
-    @property
-    def status(self) -> str:
-        if (self.ok is False and not self.gate) or (self.ok and self.warning):
-            return "warn"
-        return {True: "pass", False: "fail", None: "skipped"}[self.ok]
-
-    def as_dict(self) -> dict[str, Any]:
-        """The row the renderer shows (name, status, observed, required) plus the details."""
-        return {"name": self.name, "status": self.status, "ok": self.ok,
-                "observed": self.detail, "required": self.required, "detail": self.detail,
-                "fix": self.fix, **({"data": self.data} if self.data else {})}
 
 
 # --- HTTP -------------------------------------------------------------------------------------
@@ -460,33 +438,35 @@ def check_probe(probe: Probe, reply: Reply, cfg: Degeneration) -> Check:
     name = f"probe {probe.name}"
     shown = _short(reply.text)
     if not reply.ok:
-        return Check(name, False, f"HTTP {reply.status}: {reply.error or shown}",
-                     "read the server log")
+        return Check.verdict(name, False, f"HTTP {reply.status}: {reply.error or shown}",
+                             "read the server log")
     problems = degeneration(reply.text, cfg)
     if problems:
-        return Check(name, False, f"{'; '.join(problems)}: {shown}",
-                     "incoherent output: check the GGUF (verify-gguf), that the W8A8 is the "
-                     "official one, and KT_NSA_COMPRESSOR_MODE for this CANN",
-                     {"text": reply.text})
+        return Check.verdict(name, False, f"{'; '.join(problems)}: {shown}",
+                             "incoherent output: check the GGUF (verify-gguf), that the W8A8 is "
+                             "the official one, and KT_NSA_COMPRESSOR_MODE for this CANN",
+                             {"text": reply.text})
     if not any(e.lower() in reply.text.lower() for e in probe.expect_any):
-        return Check(name, False, f"does not mention {' or '.join(probe.expect_any)}: {shown}",
-                     "the model answers but wrongly: check the GGUF digests (verify-gguf) and "
-                     "that the W8A8 shares the MXFP4 rotation base", {"text": reply.text})
+        wanted = " or ".join(probe.expect_any)
+        return Check.verdict(name, False, f"does not mention {wanted}: {shown}",
+                             "the model answers but wrongly: check the GGUF digests (verify-gguf) "
+                             "and that the W8A8 shares the MXFP4 rotation base",
+                             {"text": reply.text})
     note = sentence_cycle(reply.text, cfg)
     data: dict[str, Any] = {"text": reply.text, **({"note": note} if note else {})}
-    return Check(name, True, f"{shown} ({reply.seconds:.1f}s)" + (f"; note: {note}" if note
-                                                                   else ""),
-                 data=data, required=f"mentions {' or '.join(probe.expect_any)}, not degenerate")
+    return Check.verdict(name, True, f"{shown} ({reply.seconds:.1f}s)"
+                         + (f"; note: {note}" if note else ""), data=data,
+                         required=f"mentions {' or '.join(probe.expect_any)}, not degenerate")
 
 
 def check_determinism(name: str, first: str, second: str) -> Check:
     if first == second:
-        return Check("determinism", True, f"probe {name}: the same text twice",
-                     required="same greedy text twice")
-    return Check("determinism", False,
-                 f"probe {name}: greedy answers differ: {_short(first)} / {_short(second)}",
-                 "greedy decoding must be reproducible: look for a race in the CPU MoE "
-                 "(KT_SIDE_STREAM) or uninitialised buffers")
+        return Check.verdict("determinism", True, f"probe {name}: the same text twice",
+                             required="same greedy text twice")
+    return Check.verdict("determinism", False,
+                         f"probe {name}: greedy answers differ: {_short(first)} / {_short(second)}",
+                         "greedy decoding must be reproducible: look for a race in the CPU MoE "
+                         "(KT_SIDE_STREAM) or uninitialised buffers")
 
 
 def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str]) -> list[LogMarker]:
@@ -497,24 +477,24 @@ def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str]) -> lis
 def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
                       forbidden: Sequence[LogMarker], source: str) -> list[Check]:
     if log_text is None:
-        return [Check("log markers", None, "no server log (the server was not started by this "
-                      "workspace); skipped: give it with --server-log FILE")]
+        return [Check.verdict("log markers", None, "no server log (the server was not started "
+                              "by this workspace); skipped: give it with --server-log FILE")]
     checks = []
     for marker in required:
         hit = re.search(marker.pattern, log_text)
-        checks.append(Check(f"log has {marker.label}", hit is not None,
-                            _short(_line_at(log_text, hit.start()), 200) if hit else
-                            f"missing from {source}",
-                            "" if hit else (marker.fix or "read the server log"),
-                            {"pattern": marker.pattern}, required="present"))
+        checks.append(Check.verdict(f"log has {marker.label}", hit is not None,
+                                    _short(_line_at(log_text, hit.start()), 200) if hit else
+                                    f"missing from {source}",
+                                    "" if hit else (marker.fix or "read the server log"),
+                                    {"pattern": marker.pattern}, required="present"))
     for marker in forbidden:
         hits = list(re.finditer(marker.pattern, log_text))
-        checks.append(Check(f"log without {marker.label}", not hits,
-                            f"{len(hits)}x, first: "
-                            f"{_short(_line_at(log_text, hits[0].start()), 200)}"
-                            if hits else "absent",
-                            (marker.fix or "read the server log") if hits else "",
-                            {"pattern": marker.pattern}, required="absent"))
+        checks.append(Check.verdict(f"log without {marker.label}", not hits,
+                                    f"{len(hits)}x, first: "
+                                    f"{_short(_line_at(log_text, hits[0].start()), 200)}"
+                                    if hits else "absent",
+                                    (marker.fix or "read the server log") if hits else "",
+                                    {"pattern": marker.pattern}, required="absent"))
     return checks
 
 
@@ -716,8 +696,8 @@ def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = Tr
     required = f"median >= {cfg.reference_tok_s:g} tok/s in every bucket ({low:g}-{high:g})"
     if not measured:
         why = skipped[0].skipped if skipped else "no bucket produced two streamed tokens"
-        return Check("decode throughput", False, f"nothing measured: {why}",
-                     "read the server log", required=required, gate=gate)
+        return Check.verdict("decode throughput", False, f"nothing measured: {why}",
+                             "read the server log", required=required, gate=gate)
     shown = "; ".join(f"{b.target} ({b.prompt_tokens or '?'} tok): median {b.tok_s} "
                       f"[{b.stats()['min']}-{b.stats()['max']}] tok/s" for b in measured)
     if skipped:
@@ -727,15 +707,15 @@ def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = Tr
     slow = [b for b in measured if (b.tok_s or 0) < cfg.reference_tok_s]
     if slow:
         worst = min(slow, key=lambda b: b.tok_s or 0)
-        return Check("decode throughput", False,
-                     f"bucket {worst.target}: median {worst.tok_s} tok/s, below the reference "
-                     f"{cfg.reference_tok_s:g} ({low:g}-{high:g}); {shown}",
-                     "check the NPU graph capture in the log, KT_CPUINFER/threadpool against "
-                     "the NUMA layout, that nothing else uses the card, and that the GGUF sits "
-                     "in the page cache", data, required=required, gate=gate)
+        return Check.verdict("decode throughput", False,
+                             f"bucket {worst.target}: median {worst.tok_s} tok/s, below the "
+                             f"reference {cfg.reference_tok_s:g} ({low:g}-{high:g}); {shown}",
+                             "check the NPU graph capture in the log, KT_CPUINFER/threadpool "
+                             "against the NUMA layout, that nothing else uses the card, and that "
+                             "the GGUF sits in the page cache", data, required=required, gate=gate)
     fix = "; ".join(f"bucket {b.target} skipped: {b.skipped}" for b in skipped)
-    return Check("decode throughput", True, shown, fix, data=data, required=required,
-                 gate=gate, warning=bool(skipped))
+    return Check.verdict("decode throughput", True, shown, fix, data=data, required=required,
+                         gate=gate, warning=bool(skipped))
 
 
 def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: str) -> Path:

@@ -30,7 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error
-from dsv4_offload.workspace.store import atomic_write_bytes, now_iso
+from dsv4_offload.core.runner import capture
+from dsv4_offload.core.clock import now_iso
+from dsv4_offload.workspace.store import atomic_write_bytes
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import BuildStep, FileEdit, Recipe, RunPackage
@@ -152,20 +154,19 @@ def sourced_env(scripts: list[str], env: dict[str, str], log: Path) -> dict[str,
                              "step installs it) or fix build.vars.cann_home")
     body = "set -e; set +u; " + "".join(f'. "${i + 1}"; ' for i in range(len(scripts))) + \
         "set -u; env -0"
-    proc = subprocess.run(["bash", "-c", body, "dsv4-source-env", *scripts], env=env,
-                          capture_output=True, timeout=_QUICK_TIMEOUT_S,
-                          stdin=subprocess.DEVNULL)
+    proc = capture(["bash", "-c", body, "dsv4-source-env", *scripts], env=env,
+                   timeout=_QUICK_TIMEOUT_S)
     note(log, f"workaround nounset-while-sourcing: sourced {' '.join(scripts)} with set +u "
               "(setup_dsv4_env_from_clean_cann.sh lines 87-91)")
     if proc.returncode != 0:
-        tail = proc.stderr.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise StepFailed(f"workaround nounset-while-sourcing: sourcing {' '.join(scripts)} "
                          f"failed (exit {proc.returncode}): {tail[0]}",
                          "run the script by hand in bash to see why; CANN 9.0.0 goes in "
                          "build.vars.cann_home")
     out: dict[str, str] = {}
-    for item in proc.stdout.split(b"\0"):
-        key, sep, value = item.decode(errors="replace").partition("=")
+    for item in proc.stdout.split("\0"):
+        key, sep, value = item.partition("=")
         if sep and key:
             out[key] = value
     return out
@@ -295,9 +296,7 @@ def installed_version(python: str, dist: str, env: dict[str, str]) -> str | None
             "try:\n    print(m.version(sys.argv[1]))\nexcept m.PackageNotFoundError:\n"
             "    sys.exit(3)\n")
     try:
-        proc = subprocess.run([python, "-c", code, dist], capture_output=True, text=True,
-                              env=env, timeout=_QUICK_TIMEOUT_S, stdin=subprocess.DEVNULL,
-                              cwd="/")
+        proc = capture([python, "-c", code, dist], env=env, timeout=_QUICK_TIMEOUT_S, cwd="/")
     except (OSError, subprocess.TimeoutExpired):
         return None
     return proc.stdout.strip() if proc.returncode == 0 else None

@@ -158,7 +158,8 @@ def mark_done(sysroot: Path, kind: str, name: str, what: str) -> None:
 
 def write_stamp(request: SysrootRequest) -> Path:
     """Written last, once every package and wheel is unpacked."""
-    from dsv4_offload.workspace.store import atomic_write_json, now_iso
+    from dsv4_offload.core.clock import now_iso
+    from dsv4_offload.workspace.store import atomic_write_json
 
     path = stamp_path(request.sysroot)
     path.parent.mkdir(parents=True, exist_ok=True)

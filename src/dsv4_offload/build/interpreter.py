@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.runner import capture
 
 if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
@@ -57,9 +58,8 @@ class PythonChoice:
 def missing_imports(python: str, modules: Sequence[str], env: Mapping[str, str]) -> str | None:
     """None when ``python`` imports every module; else a short reason (the last error line)."""
     try:
-        proc = subprocess.run([python, "-c", _IMPORT_PROGRAM, *modules], env=dict(env),
-                              stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=_PROBE_TIMEOUT_S, check=False)
+        proc = capture([python, "-c", _IMPORT_PROGRAM, *modules], env=env,
+                       timeout=_PROBE_TIMEOUT_S)
     except FileNotFoundError:
         return "not found"
     except OSError as exc:

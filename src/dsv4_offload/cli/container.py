@@ -5,13 +5,13 @@ Only typer and cli.kit at import time; the container module loads inside command
 
 from __future__ import annotations
 
-import subprocess
 from typing import Any
 
 import typer
 
 from dsv4_offload.cli.kit import emit, exit_with, load_context, options_of
 from dsv4_offload.core.errors import ExitCode
+from dsv4_offload.core.runner import run_attached
 
 container_app = typer.Typer(
     help="The recipe's runtime container (the 910B image): up, exec, status, down.",
@@ -100,7 +100,7 @@ def exec_(
     path = pctx.recipe.file
     argv = exec_argv(plan, pctx.workspace, str(path) if path else None, g.overrides, inner)
     try:
-        code = subprocess.call(argv)
+        code = run_attached(argv)
     except FileNotFoundError:
         from dsv4_offload.core.errors import Dsv4Error
 
@@ -166,6 +166,6 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
         exit_with(ExitCode.FAILED)
     path = sctx.recipe.file
     inner = ["--json", *args] if g.json else list(args)
-    code = subprocess.call(exec_argv(plan, sctx.workspace, str(path) if path else None,
-                                     g.overrides, inner))
+    code = run_attached(exec_argv(plan, sctx.workspace, str(path) if path else None,
+                                  g.overrides, inner))
     exit_with(code)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from dsv4_offload.build import cross as crossbuild
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.runner import capture, run_attached
 from dsv4_offload.workspace.store import atomic_write_bytes
 
 
@@ -29,15 +30,17 @@ def _say(line: str) -> None:
 
 def _run(argv: list[str], cwd: Path | None = None, env: dict[str, str] | None = None) -> None:
     _say(f"+ {shlex.join(argv)}")
-    proc = subprocess.run(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: {shlex.join(argv[:3])} ... exited {proc.returncode}")
+    code = run_attached(argv, cwd=cwd, env=env, stdin=False)
+    if code != 0:
+        raise SystemExit(f"error: {shlex.join(argv[:3])} ... exited {code}")
 
 
 def _capture(argv: list[str]) -> str:
     try:
-        return subprocess.run(argv, capture_output=True, text=True, check=True,
-                              stdin=subprocess.DEVNULL).stdout
+        proc = capture(argv, timeout=None)
+        if proc.returncode != 0:
+            raise subprocess.CalledProcessError(proc.returncode, argv)
+        return proc.stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise SystemExit(f"error: {shlex.join(argv)} failed ({exc}); is dpkg installed? "
                          "(a Debian or Ubuntu build host is needed for the sysroot)") from None

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.runner import capture
 
 HOST_ROOT_ENV = "DSV4_HOST_ROOT"
 NPU_SMI_ENV = "DSV4_NPU_SMI"
@@ -372,13 +373,12 @@ def _search_path(root: Path, env: Mapping[str, str]) -> str:
 def _run_capture(args: list[str], env: Mapping[str, str]) -> tuple[int, str]:
     """Run a quick probe and return (exit code, combined output).
 
-    Probes are read-only one-liners, so they bypass runner.run_command and its stage log.
+    Probes are read-only one-liners: captured, not written to a stage log.
     """
     run_env = dict(env)
     run_env["LC_ALL"] = "C"  # English, stable output for the parsers
     try:
-        done = subprocess.run(args, capture_output=True, text=True, errors="replace",
-                              env=run_env, timeout=_COMMAND_TIMEOUT_S, check=False)
+        done = capture(args, env=run_env, timeout=_COMMAND_TIMEOUT_S)
     except FileNotFoundError:
         return 127, f"{args[0]}: not found"
     except PermissionError:

@@ -34,6 +34,49 @@ class Problem:
 
 
 @dataclass
+class Check:
+    """One row of a check report: what was observed against what is required, and the fix.
+
+    Doctor's host rows carry their status word (ok, warn, fail, skip). Accept's rows are
+    verdicts, made by :meth:`verdict`: ``ok`` True, False or None (skipped); ``gate`` False
+    reports a failure as a warning, ``warning`` a pass the user must read. Their words are
+    pass, warn, fail, skipped, and their JSON row adds ``ok``, ``detail`` (the observed
+    text, under its first name) and ``data``: both reports keep the keys they were read with.
+    """
+
+    name: str
+    status: str
+    observed: str
+    required: str = ""
+    fix: str = ""
+    ok: bool | None = None
+    gate: bool = True
+    data: dict[str, Any] = field(default_factory=dict)
+    is_verdict: bool = False
+
+    @classmethod
+    def verdict(cls, name: str, ok: bool | None, observed: str, fix: str = "",
+                data: dict[str, Any] | None = None, required: str = "", gate: bool = True,
+                warning: bool = False) -> Check:
+        if (ok is False and not gate) or (ok and warning):
+            status = "warn"
+        else:
+            status = {True: "pass", False: "fail", None: "skipped"}[ok]
+        return cls(name, status, observed, required, fix, ok=ok, gate=gate, data=data or {},
+                   is_verdict=True)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The row the renderer shows (name, status, observed, required) and the fix; a
+        verdict's also has its ``ok``, ``detail`` and ``data``."""
+        if not self.is_verdict:
+            return {"name": self.name, "status": self.status, "observed": self.observed,
+                    "required": self.required, "fix": self.fix}
+        return {"name": self.name, "status": self.status, "ok": self.ok,
+                "observed": self.observed, "required": self.required, "detail": self.observed,
+                "fix": self.fix, **({"data": self.data} if self.data else {})}
+
+
+@dataclass
 class StageResult:
     status: Status
     summary: str

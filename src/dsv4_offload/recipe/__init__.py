@@ -14,7 +14,6 @@ from dsv4_offload.recipe.fields import (
     BUNDLED_SERIES,
     DATA_DIR,
     DEFAULT_RECIPE,
-    SCHEMA_VERSION,
     Strict,
 )
 from dsv4_offload.recipe.load import (
@@ -54,7 +53,7 @@ from dsv4_offload.recipe.sections import (
 )
 
 __all__ = [
-    "BUNDLED_RECIPES", "BUNDLED_SERIES", "DATA_DIR", "DEFAULT_RECIPE", "SCHEMA_VERSION",
+    "BUNDLED_RECIPES", "BUNDLED_SERIES", "DATA_DIR", "DEFAULT_RECIPE",
     "Acceptance", "Build", "BuildStep", "Conversion", "Degeneration", "FileEdit", "Host",
     "LogMarker", "Origin", "PatchEntry", "PatchOrigin", "Platform", "Probe", "Recipe",
     "RemoteFile", "RunPackage", "Runtime", "Selftest", "SelftestEmulator", "Serve", "Series",

@@ -17,7 +17,6 @@ DATA_DIR = Path(__file__).resolve().parent.parent / "data"
 BUNDLED_RECIPES = DATA_DIR / "recipes"
 BUNDLED_SERIES = DATA_DIR / "patches"
 DEFAULT_RECIPE = "dsv4-flash-910b"
-SCHEMA_VERSION = 1
 
 HEX40 = re.compile(r"^[0-9a-f]{40}$")
 HEX_PREFIX = re.compile(r"^[0-9a-f]{7,39}$")

@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -35,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import CommandFailed, capture, run_command, start
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
@@ -186,8 +186,7 @@ def require_docker() -> str:
 def docker_query(args: list[str]) -> tuple[int, str]:
     """A quick docker question (inspect, ps): exit code and stdout."""
     try:
-        proc = subprocess.run(["docker", *args], capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=_QUICK_TIMEOUT_S)
+        proc = capture(["docker", *args], timeout=_QUICK_TIMEOUT_S)
     except FileNotFoundError:
         raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
     except subprocess.TimeoutExpired:
@@ -203,7 +202,6 @@ def docker_run(args: list[str], log: Path, what: str, task: Task | None = None,
                timeout: float | None = None) -> None:
     """A docker command whose output goes to the log (and, a line at a time, to the progress
     line); a failure or a timeout names ``what`` failed."""
-    from dsv4_offload.workspace.runner import CommandFailed, run_command
 
     def on_line(line: str) -> None:
         if task is not None:
@@ -444,8 +442,6 @@ def fill_wheelhouse(wheel: Path, target: Target, workspace: Workspace, log: Path
     ``$DSV4_WHEELHOUSE`` names a directory filled elsewhere (an air-gapped site): its wheels
     are copied into the workspace (the container sees only the workspace) and nothing is
     downloaded; pip inside names any wheel that is missing."""
-    from dsv4_offload.workspace.runner import CommandFailed, run_command
-
     house = workspace.meta_dir / "wheelhouse" / target.key
     house.mkdir(parents=True, exist_ok=True)
     given = os.environ.get(WHEELHOUSE_ENV)
@@ -660,8 +656,8 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+        child = start(argv, stdout=subprocess.PIPE, stderr=err)
+        proc = child.proc
         try:
             out, _ = proc.communicate()
         except BaseException:
@@ -669,9 +665,7 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
                 on_interrupt()
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(timeout=grace)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
+            child.stop()
             raise
         err.write(f"=== exit {proc.returncode}\n".encode())
     return proc.returncode, out.decode("utf-8", errors="replace")

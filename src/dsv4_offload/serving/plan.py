@@ -22,6 +22,7 @@ from dsv4_offload.build import bringup
 from dsv4_offload.build.interpreter import server_pythonpath
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.host import choose_npu
+from dsv4_offload.core.runner import capture
 
 if TYPE_CHECKING:
     from dsv4_offload.core.host import HostFacts, NpuInfo
@@ -794,9 +795,7 @@ def _bash_env(body: str, args: list[str], base_env: Mapping[str, str],
               timeout: float) -> dict[str, str]:
     script = body + "env -0"
     try:
-        proc = subprocess.run(["bash", "-c", script, "bash", *args], env=dict(base_env),
-                              stdin=subprocess.DEVNULL, capture_output=True, timeout=timeout,
-                              check=False)
+        proc = capture(["bash", "-c", script, "bash", *args], env=base_env, timeout=timeout)
     except FileNotFoundError:
         raise Dsv4Error("bash not found: it is needed to read the CANN set_env scripts; "
                         "install bash") from None
@@ -804,15 +803,15 @@ def _bash_env(body: str, args: list[str], base_env: Mapping[str, str],
         raise Dsv4Error(f"sourcing {' '.join(args)} took over {timeout:.0f}s; check those "
                         "scripts (serve.cann_set_env)") from None
     if proc.returncode != 0:
-        err = proc.stderr.decode(errors="replace").strip().splitlines()
+        err = proc.stderr.strip().splitlines()
         raise Dsv4Error(f"sourcing the CANN scripts {' '.join(args)} failed "
                         f"({err[-1] if err else f'exit {proc.returncode}'}); fix the script or "
                         "remove it from serve.cann_set_env")
     env: dict[str, str] = {}
-    for item in proc.stdout.split(b"\0"):
-        if b"=" in item:
-            k, v = item.split(b"=", 1)
-            env[k.decode(errors="replace")] = v.decode(errors="replace")
+    for item in proc.stdout.split("\0"):
+        if "=" in item:
+            k, v = item.split("=", 1)
+            env[k] = v
     return env
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import start
 
 TAIL_LINES = 40
 NOFILE_WANTED = 65536  # the launcher raises the open-file limit for the 43 mmapped GGUFs
@@ -234,11 +235,7 @@ class ServerProcess:
         with open(self.log, "a", encoding="utf-8") as fh:
             fh.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} $ {' '.join(self.argv)}\n")
         try:
-            self.proc = subprocess.Popen(
-                argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
-                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=_raise_nofile,
-            )
+            self.proc = start(argv, env=self.env, cwd=self.cwd, preexec_fn=_raise_nofile).proc
         except OSError as exc:
             raise InputError(
                 f"cannot start the server {self.argv[0]!r} ({exc.strerror}); check "
@@ -433,12 +430,10 @@ def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) 
     src = str(Path(__file__).resolve().parents[2])  # the directory holding dsv4_offload
     env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
     with open(supervisor_log, "ab") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dsv4_offload.serving.supervisor", str(spec_path)],
-            stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True, env=env, close_fds=True,
-        )
-    return proc.pid
+        # meant to outlive us: no `with`; detached_guard stops it if the caller fails
+        child = start([sys.executable, "-m", "dsv4_offload.serving.supervisor", str(spec_path)],
+                      env=env, stdout=out)
+    return child.pid
 
 
 def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None, str]:
@@ -463,7 +458,7 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
 
 def supervise(spec: dict[str, Any]) -> int:
     """The detached supervisor's body: run the server, keep the record, stop it on a signal."""
-    from dsv4_offload.workspace.store import now_iso
+    from dsv4_offload.core.clock import now_iso
 
     record_path = Path(spec["record"])
     server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),

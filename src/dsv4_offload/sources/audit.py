@@ -32,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from dsv4_offload.core.runner import capture
 from dsv4_offload.recipe import BuildStep, Recipe, Series
 from dsv4_offload.workspace.store import Workspace
 
@@ -328,8 +329,8 @@ def workspace_dirs(recipe: Recipe, workspace: Workspace) -> dict[str, Path]:
 def _is_checkout(path: Path) -> bool:
     if not path.is_dir():
         return False
-    proc = subprocess.run(["git", "-C", str(path), "rev-parse", "--show-toplevel"],
-                          capture_output=True, text=True, timeout=_GIT_TIMEOUT_S)
+    proc = capture(["git", "-C", str(path), "rev-parse", "--show-toplevel"],
+                   timeout=_GIT_TIMEOUT_S)
     return proc.returncode == 0 and Path(proc.stdout.strip()).resolve() == path.resolve()
 
 
@@ -346,17 +347,16 @@ def grep_scope(root: Path, scope: Scope, needles: Sequence[str], *,
     for n in needles:
         args += ["-e", n]
     args += ["--", scope.subdir or ".", *scope.excludes]
-    proc = subprocess.run(args, capture_output=True, timeout=_GIT_TIMEOUT_S)
+    proc = capture(args, timeout=_GIT_TIMEOUT_S)
     if proc.returncode not in (0, 1):  # 1: nothing matched
-        raise RuntimeError(proc.stderr.decode(errors="replace").strip() or "git grep failed")
+        raise RuntimeError(proc.stderr.strip() or "git grep failed")
     wanted = [(n, n.casefold() if ignore_case else n) for n in needles]
     hits: dict[str, dict[Key, int]] = {}
-    for record in proc.stdout.split(b"\n"):
-        parts = record.split(b"\0", 2)
+    for record in proc.stdout.split("\n"):
+        parts = record.split("\0", 2)
         if len(parts) != 3:
             continue
-        path, line = parts[0].decode(errors="replace"), int(parts[1])
-        text = parts[2].decode(errors="replace")
+        path, line, text = parts[0], int(parts[1]), parts[2]
         if ignore_case:
             text = text.casefold()
         seen = hits.setdefault(path, {})

@@ -396,9 +396,9 @@ def rebase_start(recipe: Recipe, series: Series, ws: Workspace, target: str, ref
                  mirrors: dict[str, list[str]] | None = None) -> RebaseOutcome:
     """The target's patches as commits on the pinned commit, then cherry-picked one by one
     onto REF in a work branch; stops at the first conflict."""
+    from dsv4_offload.core.runner import CommandFailed
     from dsv4_offload.sources.indexcheck import touched_paths
     from dsv4_offload.sources.series import NO_HOOKS, _git, apply_one, commit_env
-    from dsv4_offload.workspace.runner import CommandFailed
 
     _check_target(series, target, "patch rebase")
     if read_rebase_state(ws) is not None:

@@ -25,11 +25,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import capture
 from dsv4_offload.recipe.lock import read_source_locks
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:
-    import git
 
     from dsv4_offload.core.results import Task
     from dsv4_offload.recipe import Recipe, Source
@@ -75,20 +75,6 @@ def require_git() -> None:
         raise Dsv4Error("git is not installed or not on PATH; install it (apt-get install git)")
 
 
-def git_version() -> str:
-    import git
-
-    require_git()
-    return ".".join(str(p) for p in git.Git().version_info)
-
-
-def open_repo(path: Path) -> git.Repo:
-    """A repository at exactly ``path`` (never a parent's: nested checkouts live in the tree)."""
-    import git
-
-    return git.Repo(path, search_parent_directories=False)
-
-
 def git_bytes(repo_dir: Path, *args: str) -> bytes:
     """The raw stdout of a git command (exact bytes, e.g. a blob to hash)."""
     import git
@@ -120,12 +106,11 @@ def has_commit(repo_dir: Path, commit: str) -> bool:
 
 
 def head_commit(repo_dir: Path) -> str | None:
-    """HEAD's commit, None without one. A plain subprocess, not GitPython: `status` asks this
+    """HEAD's commit, None without one. A plain git, not GitPython: `status` asks this
     of every patched source (build and patch fingerprints) and must stay fast."""
     try:
-        proc = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD^{commit}"],
-                              cwd=repo_dir, env=git_env(), capture_output=True, text=True,
-                              stdin=subprocess.DEVNULL, timeout=60)
+        proc = capture(["git", "rev-parse", "--verify", "-q", "HEAD^{commit}"],
+                       cwd=repo_dir, env=git_env(), timeout=60)
     except (OSError, subprocess.TimeoutExpired):
         return None
     return (proc.stdout.strip() or None) if proc.returncode == 0 else None
@@ -227,7 +212,7 @@ def _progress_reader(task: Task | None, received: list[int]) -> Callable[[str], 
 
 
 def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[bool, str, int]:
-    from dsv4_offload.workspace.runner import CommandFailed, run_command
+    from dsv4_offload.core.runner import CommandFailed, run_command
 
     received = [0]
     done = threading.Event()
@@ -366,7 +351,8 @@ def pick_prefix_match(name: str, prefix: str, branch: str, history: list[str]) -
 
 def write_source_lock(lock_file: Path, source: Source, commit: str) -> None:
     """Record a resolved prefix (atomically) so later fetches use the same commit."""
-    from dsv4_offload.workspace.store import atomic_write_json, now_iso
+    from dsv4_offload.core.clock import now_iso
+    from dsv4_offload.workspace.store import atomic_write_json
 
     locks = read_source_locks(lock_file)
     locks[source.name] = {"commit_prefix": source.commit_prefix or "",
@@ -508,7 +494,7 @@ def create_checkout(path: Path, source: Source, log: Path) -> None:
     Built beside the target and renamed into place, so an interrupted fetch never leaves a
     half-made checkout that the next run would have to call "not ours".
     """
-    from dsv4_offload.workspace.runner import run_command
+    from dsv4_offload.core.runner import run_command
 
     env = git_env()
     cache = cache_repo_path(source.name)
@@ -570,8 +556,7 @@ class HistoryFetch:
     repo: Path
     commit: str  # what the ref names
     url: str
-    blobless: bool  # False: the host refused filters, the blobs came too
-    note: str = ""
+    note: str = ""  # set when the host refused filters and the blobs came too
 
 
 def _configure_partial(repo: Path, url: str) -> None:
@@ -585,7 +570,7 @@ def _configure_partial(repo: Path, url: str) -> None:
 
 
 def _run_fetch(repo: Path, args: list[str], log: Path) -> tuple[bool, list[str]]:
-    from dsv4_offload.workspace.runner import run_command
+    from dsv4_offload.core.runner import run_command
 
     lines: list[str] = []
     res = run_command(["git", "fetch", "--no-tags", "--no-write-fetch-head", *args], log=log,
@@ -632,7 +617,7 @@ def fetch_history(source: Source, ref: str, *, log: Path,
                     continue
             git_text(repo, "update-ref", PIN_REF_PREFIX + source.pinned, source.pinned)
             git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
-            return HistoryFetch(repo, commit, url, not note, note)
+            return HistoryFetch(repo, commit, url, note)
     raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "
                     f"({why}); give a branch, tag or full SHA that exists upstream, or pass "
                     f"--mirror {source.name}=URL", log=str(log))

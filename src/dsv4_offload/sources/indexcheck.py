@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core.runner import run_command
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.sources.series import (
     _GNU_FUZZ,
@@ -30,7 +31,6 @@ from dsv4_offload.sources.series import (
     method_of,
     parse_rejected,
 )
-from dsv4_offload.workspace.runner import run_command
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import PatchEntry

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.runner import CommandFailed, run_command
 from dsv4_offload.sources import git as gitsrc
-from dsv4_offload.workspace.runner import CommandFailed, run_command
 from dsv4_offload.workspace.store import atomic_write_bytes
 
 if TYPE_CHECKING:

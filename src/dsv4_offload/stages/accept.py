@@ -20,13 +20,14 @@ from typing import Any
 
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
-from dsv4_offload.core.results import Problem, StageResult, Status, Task
+from dsv4_offload.core.results import Check, Problem, StageResult, Status, Task
 from dsv4_offload.recipe import Acceptance, LogMarker, Probe
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.plan import connect_url
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso
+from dsv4_offload.workspace.store import atomic_write_json
 
 OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang's /health
 
@@ -85,7 +86,7 @@ def run(ctx: StageContext) -> StageResult:
                              headers=auth_headers(ctx, record, url))
     quick = bool(ctx.option("quick", False))
     gate = not ctx.option("no_throughput_gate", False)
-    checks: list[pr.Check] = []
+    checks: list[Check] = []
     buckets: list[pr.Bucket] = []
     texts: dict[str, str] = {}
     notes: list[str] = []
@@ -95,10 +96,10 @@ def run(ctx: StageContext) -> StageResult:
         try:
             for path in (OPENAI_HEALTH if api == "openai" else ctx.recipe.serve.health_paths):
                 code, secs = client.get(path)
-                checks.append(pr.Check(f"GET {path}", code == 200, f"HTTP {code} ({secs:.1f}s)",
-                                       "" if code == 200 else "the server is not ready: "
-                                       "`dsv4-offload serve status` / `serve logs`",
-                                       required="HTTP 200"))
+                checks.append(Check.verdict(
+                    f"GET {path}", code == 200, f"HTTP {code} ({secs:.1f}s)",
+                    "" if code == 200 else "the server is not ready: "
+                    "`dsv4-offload serve status` / `serve logs`", required="HTTP 200"))
             task.advance()
             if all(c.ok for c in checks):
                 for probe in probe_list:
@@ -111,28 +112,29 @@ def run(ctx: StageContext) -> StageResult:
                 checks.append(pr.check_determinism(det_name, texts[det_name], again.text))
                 task.advance()
         except pr.ServerUnreachable as exc:
-            checks.append(pr.Check("server answers", False, str(exc),
-                                   "the server hung or died: `dsv4-offload serve logs`"))
+            checks.append(Check.verdict("server answers", False, str(exc),
+                                        "the server hung or died: `dsv4-offload serve logs`"))
         except ValueError as exc:
-            checks.append(pr.Check("server answers", False, str(exc),
-                                   "is --api right for this server (native or openai)?"))
+            checks.append(Check.verdict("server answers", False, str(exc),
+                                        "is --api right for this server (native or openai)?"))
         if all(c.ok is not False for c in checks):
             buckets, tp_check = _throughput(ctx, client, record, log_path, quick, gate,
                                             chat=any(p.chat for p in probe_list), task=task)
             checks.append(tp_check)
             notes += [f"bucket {b.target} skipped: {b.skipped}" for b in buckets if b.skipped]
         else:
-            checks.append(pr.Check("decode throughput", None, "skipped: earlier checks failed"))
+            checks.append(Check.verdict("decode throughput", None,
+                                        "skipped: earlier checks failed"))
         task.advance()
         if gpqa_rounds and evalscope:
             if any(c.ok is False and c.gate for c in checks):
-                checks.append(pr.Check("GPQA-diamond", None, "skipped: earlier checks failed"))
+                checks.append(Check.verdict("GPQA-diamond", None, "skipped: earlier checks failed"))
             else:
                 try:
                     checks.append(_gpqa(ctx, client, evalscope, gpqa_rounds, task))
                 except (InputError, pr.ServerUnreachable) as exc:
-                    checks.append(pr.Check("GPQA-diamond", False, str(exc),
-                                           "give --model, or check the server"))
+                    checks.append(Check.verdict("GPQA-diamond", False, str(exc),
+                                                "give --model, or check the server"))
         # after all of accept's own traffic: a server that died under it, and the log lines
         # only long prompts can cause (streaming prefill fallback), are caught here
         if all(c.name != "server answers" for c in checks):
@@ -196,7 +198,7 @@ def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
 
 def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeRecord | None,
                 log_path: Path | None, quick: bool, gate: bool, chat: bool,
-                task: Task) -> tuple[list[pr.Bucket], pr.Check]:
+                task: Task) -> tuple[list[pr.Bucket], Check]:
     cfg = ctx.recipe.acceptance.throughput
     log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
     chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
@@ -221,35 +223,35 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
                                         on_step=step)
     except (pr.BucketFailed, pr.ServerUnreachable) as exc:
         what = str(exc) if isinstance(exc, pr.BucketFailed) else f"before the buckets: {exc}"
-        return [], pr.Check("decode throughput", False, what,
-                            _with_tail("the server failed under load", log_path),
-                            data={"chunk": chunk, "chunk_source": source})
+        return [], Check.verdict("decode throughput", False, what,
+                                 _with_tail("the server failed under load", log_path),
+                                 data={"chunk": chunk, "chunk_source": source})
     check = pr.check_throughput(buckets, cfg, gate)
     check.data.update({"chunk": chunk, "chunk_source": source, "quick": quick,
                        "new_tokens": plan.new_tokens, "repeats": plan.repeats,
                        "warmup": plan.warmup, "calibrated": calibration.measured})
     if not calibration.measured:
-        check.detail += ("; prompt sizes estimated: the server reported no prompt token "
-                         "counts")
+        check.observed += ("; prompt sizes estimated: the server reported no prompt token "
+                           "counts")
     return buckets, check
 
 
 def _still_answering(ctx: StageContext, client: pr.ServerClient, api: str,
-                     record: sv.ServeRecord | None) -> pr.Check:
+                     record: sv.ServeRecord | None) -> Check:
     path = OPENAI_HEALTH[0] if api == "openai" else ctx.recipe.serve.health_paths[0]
     try:
         code, _ = client.get(path)
     except pr.ServerUnreachable as exc:
-        return pr.Check("server alive after the run", False, str(exc),
-                        "the server died during acceptance: `dsv4-offload serve logs`")
+        return Check.verdict("server alive after the run", False, str(exc),
+                             "the server died during acceptance: `dsv4-offload serve logs`")
     ok = code == 200
-    return pr.Check("server alive after the run", ok, f"GET {path}: HTTP {code}",
-                    "" if ok else "the server stopped answering: `dsv4-offload serve logs`",
-                    required="HTTP 200")
+    return Check.verdict("server alive after the run", ok, f"GET {path}: HTTP {code}",
+                         "" if ok else "the server stopped answering: `dsv4-offload serve logs`",
+                         required="HTTP 200")
 
 
 def _gpqa(ctx: StageContext, client: pr.ServerClient, evalscope: str, rounds: int,
-          task: Task) -> pr.Check:
+          task: Task) -> Check:
     reference = ctx.recipe.acceptance.gpqa_reference_pct
     model = ctx.option("model") or _served_model(client)
     key = client.headers().get("Authorization", "Bearer EMPTY").split(" ", 1)[1]
@@ -269,18 +271,19 @@ def _gpqa(ctx: StageContext, client: pr.ServerClient, evalscope: str, rounds: in
     data = {"rounds": result.rounds, **stats, "reference": reference, "logs": result.logs,
             "dir": str(out)}
     if failed or stats["mean"] is None:
-        return pr.Check("GPQA-diamond", False, f"round(s) {failed} failed; {shown}",
-                        f"see {out}/R{failed[0] if failed else 1}.log", data)
+        return Check.verdict("GPQA-diamond", False, f"round(s) {failed} failed; {shown}",
+                             f"see {out}/R{failed[0] if failed else 1}.log", data)
     if reference is None:
-        return pr.Check("GPQA-diamond", True, f"{shown}; no reference in the recipe", data=data)
+        return Check.verdict("GPQA-diamond", True, f"{shown}; no reference in the recipe",
+                             data=data)
     tolerance = result.tolerance_pp()
     data["tolerance_pp"] = tolerance
     ok = float(stats["mean"] or 0) >= reference - tolerance
     note = "" if rounds >= 3 else "; one round is noise (±3.3 pp): run 3 to 10"
-    return pr.Check("GPQA-diamond", ok, f"{shown}{note}",
-                    "" if ok else "accuracy below the reference: check the GGUF and W8A8 "
-                    "(verify-gguf) and that sglang is at its pinned commit", data,
-                    required=f"mean >= {reference:g}% - {tolerance:g} pp (2 SE of the mean)")
+    return Check.verdict("GPQA-diamond", ok, f"{shown}{note}",
+                         "" if ok else "accuracy below the reference: check the GGUF and W8A8 "
+                         "(verify-gguf) and that sglang is at its pinned commit", data,
+                         required=f"mean >= {reference:g}% - {tolerance:g} pp (2 SE of the mean)")
 
 
 def _served_model(client: pr.ServerClient) -> str:
@@ -313,7 +316,7 @@ def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> P
     return None
 
 
-def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
+def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
             buckets: list[pr.Bucket], log_path: Path | None, notes: list[str],
             seconds: float) -> StageResult:
     acc = ctx.recipe.acceptance
@@ -334,7 +337,7 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
     for c in failed:
         if c in hard and log_path is not None and "last lines of" not in c.fix:
             c.fix = _with_tail(c.fix or "read the server log", log_path)
-        problems.append(Problem("error" if c in hard else "warning", f"{c.name}: {c.detail}",
+        problems.append(Problem("error" if c in hard else "warning", f"{c.name}: {c.observed}",
                                 fix=c.fix, check=f"accept.{c.name}"))
     problems += [Problem("warning", note, check="accept.throughput") for note in notes]
     warned = [c for c in checks if c.status == "warn"]
@@ -344,7 +347,7 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[pr.Check],
     summary = (f"{'FAILED' if hard else 'passed'}: {passed}/{len(checks)} checks"
                + (f", decode {tok_s} tok/s (reference {acc.throughput.reference_tok_s:g})"
                   if tok_s else "")
-               + (f"; first failure: {hard[0].name}: {hard[0].detail}" if hard else ""))
+               + (f"; first failure: {hard[0].name}: {hard[0].observed}" if hard else ""))
     doc = {"schema": 1, "recipe": ctx.recipe.name, "url": url, "api": api, "when": now_iso(),
            "seconds": round(seconds, 1), "status": status.value, "summary": summary,
            "checks": [c.as_dict() for c in checks],

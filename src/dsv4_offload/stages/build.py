@@ -39,10 +39,10 @@ from dsv4_offload.build.bringup import KT_KERNEL_STEP
 from dsv4_offload.build.interpreter import build_python
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.runner import capture, failure_excerpt, run_command
 from dsv4_offload.recipe import BuildStep, Recipe
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.runner import failure_excerpt, run_command
 from dsv4_offload.workspace.store import Workspace, read_json
 
 # the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)
@@ -193,8 +193,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 def _first_line(args: list[str]) -> str | None:
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=_QUICK_TIMEOUT_S,
-                              stdin=subprocess.DEVNULL)
+        proc = capture(args, timeout=_QUICK_TIMEOUT_S)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = (proc.stdout or proc.stderr).strip().splitlines()
@@ -218,9 +217,8 @@ def missing_headers(cc: str, headers: list[str], env: dict[str, str]) -> list[st
     missing = []
     for header in headers:
         try:
-            proc = subprocess.run([cc, "-xc", "-E", "-", "-o", os.devnull],
-                                  input=f"#include <{header}>\n", capture_output=True,
-                                  text=True, env=env, timeout=_QUICK_TIMEOUT_S)
+            proc = capture([cc, "-xc", "-E", "-", "-o", os.devnull],
+                           input=f"#include <{header}>\n", env=env, timeout=_QUICK_TIMEOUT_S)
         except (OSError, subprocess.TimeoutExpired):
             missing.append(header)
             continue
@@ -415,8 +413,8 @@ def clean_build_dir(workdir: Path) -> bool:
     build_dir = workdir / "build"
     if not build_dir.is_dir():
         return False
-    tracked = subprocess.run(["git", "-C", str(workdir), "ls-files", "--", "build"],
-                             capture_output=True, text=True, timeout=_QUICK_TIMEOUT_S)
+    tracked = capture(["git", "-C", str(workdir), "ls-files", "--", "build"],
+                      timeout=_QUICK_TIMEOUT_S)
     if tracked.returncode == 0 and tracked.stdout.strip():
         return False  # part of the sources: not ours to delete
     shutil.rmtree(build_dir)

@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.host import (
     HostFacts,
     NpuInfo,
@@ -24,10 +25,10 @@ from dsv4_offload.core.host import (
     version_at_least,
     visible_device,
 )
-from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.results import Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso
+from dsv4_offload.workspace.store import atomic_write_json
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024**3
@@ -72,22 +73,6 @@ DRIVER_FIX = (
     "container add --device /dev/davinciN --device /dev/davinci_manager --device /dev/devmm_svm "
     "--device /dev/hisi_hdc and mount /usr/local/Ascend/driver and /usr/local/sbin/npu-smi"
 )
-
-
-@dataclass
-class Check:
-    name: str
-    status: str
-    observed: str
-    required: str
-    fix: str = ""
-
-    def as_dict(self) -> dict[str, str]:
-        return asdict(self)
-
-
-def _gib(n_bytes: float) -> str:
-    return f"{n_bytes / GIB:,.0f} GiB"
 
 
 def _device_option(ctx: StageContext) -> int | None:

@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights import hubs
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso, read_json
+from dsv4_offload.workspace.store import atomic_write_json, read_json
 
 WEIGHT_SETS = ("w8a8", "mxfp4")
 RECORD_SCHEMA = 1

@@ -197,7 +197,7 @@ def run_one(ctx: StageContext, tokens: int, index: int, root: Path, gguf: Path,
     import numpy as np
 
     from dsv4_offload.build.moecheck import RunFacts, from_bf16_bits, judge, reference_moe
-    from dsv4_offload.workspace.runner import run_command
+    from dsv4_offload.core.runner import run_command
 
     test = ctx.recipe.selftest
     work = root / f"run-{index}-{tokens}"

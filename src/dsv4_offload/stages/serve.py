@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.serving import supervisor as sv
@@ -26,7 +27,7 @@ from dsv4_offload.serving.plan import (
     toolkit_home,
 )
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.store import atomic_write_json, now_iso, read_json
+from dsv4_offload.workspace.store import atomic_write_json, read_json
 
 
 def host_facts(ctx: StageContext) -> Any:

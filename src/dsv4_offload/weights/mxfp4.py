@@ -78,6 +78,7 @@ def native_repack() -> Callable[[np.ndarray, np.ndarray, np.ndarray, int], None]
 def _load_kernel() -> tuple[Callable[..., None] | None, str]:
     if os.environ.get(KERNEL_ENV, "").lower() == "numpy":
         return None, f"numpy ({KERNEL_ENV}=numpy)"
+    from dsv4_offload.core.runner import capture
     from dsv4_offload.workspace.store import cache_root
 
     source = KERNEL_SOURCE.read_bytes()
@@ -91,9 +92,8 @@ def _load_kernel() -> tuple[Callable[..., None] | None, str]:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
         try:
-            built = subprocess.run([compiler, "-O3", "-shared", "-fPIC", "-o", tmp,
-                                    str(KERNEL_SOURCE)], capture_output=True, text=True,
-                                   timeout=120)
+            built = capture([compiler, "-O3", "-shared", "-fPIC", "-o", tmp,
+                             str(KERNEL_SOURCE)], timeout=120)
             if built.returncode != 0:
                 return None, f"numpy ({compiler} failed: {built.stderr.strip()[:200]})"
             os.replace(tmp, library)  # atomic: concurrent first uses race harmlessly

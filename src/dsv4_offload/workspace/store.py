@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
 import fcntl
 import json
 import os
@@ -12,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError, LockedError
 
 if TYPE_CHECKING:
@@ -23,10 +23,6 @@ WORKSPACE_ENV = "DSV4_WORKSPACE"
 # the token it wrote into the lock file, passed to that process in this variable
 HANDOFF_ENV = "DSV4_LOCK_HANDOFF"
 STATE_SCHEMA = 1
-
-
-def now_iso() -> str:
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:

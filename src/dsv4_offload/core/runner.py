@@ -1,0 +1,294 @@
+"""External commands: every child process of the tool starts here.
+
+One rule for all of them: the child gets its own session (so its process group is its own),
+and an interrupt, an exception or a timeout stops that whole group (SIGTERM, then SIGKILL
+after a short grace), so no child outlives the call that started it unless it was started to.
+The shapes callers need:
+
+- :func:`run_command`: a step of a stage; its output is logged (secrets redacted), timed,
+  and a failure raises :class:`CommandFailed` with an excerpt and the log.
+- :func:`capture`: a quick question (a version, a probe, ``git rev-parse``); stdout and
+  stderr come back as text, nothing is logged.
+- :func:`run_attached`: the child writes to our terminal (``docker exec`` of a forwarded
+  command, a cross-build step whose output the build stage's log keeps); its exit code.
+- :func:`start`: a long-lived child (the server, a streaming ``docker exec``); a
+  :class:`Child` handle the caller waits on and stops as a group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from dsv4_offload.core.clock import now_iso
+from dsv4_offload.core.errors import Dsv4Error
+
+TAIL_LINES = 200
+KILL_GRACE_S = 5.0  # between SIGTERM and SIGKILL of a child's group
+EXCERPT_LINES = 8
+# Lines that usually carry the cause of a failure; shown before the plain tail.
+_ERROR_LINE = re.compile(r"error|fatal|failed|exception|traceback|not found|denied|refused", re.I)
+# Secrets never reach a log: tokens in URLs and well-known token variables.
+_SECRET_URL = re.compile(r"(https?://)([^/@\s:]+):([^/@\s]+)@")
+_SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN", "GITHUB_TOKEN")
+
+
+def redact(text: str, env: Mapping[str, str] | None = None,
+           secrets: Sequence[str] = ()) -> str:
+    """``text`` without URL credentials, the well-known token variables' values and
+    ``secrets`` (a value under 6 characters is a placeholder such as EMPTY, kept)."""
+    text = _SECRET_URL.sub(r"\1\2:***@", text)
+    env_values = [(env or os.environ).get(name) for name in _SECRET_ENV]
+    for value in [*env_values, *secrets]:
+        if value and len(value) >= 6:
+            text = text.replace(value, "***")
+    return text
+
+
+@dataclass
+class CommandResult:
+    """How a command ended; ``log`` for :func:`run_command`, ``stdout``/``stderr`` for
+    :func:`capture` (which keeps no log)."""
+
+    returncode: int
+    log: Path | None
+    duration: float
+    tail: list[str] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+
+
+class CommandFailed(Dsv4Error):
+    """An external command exited non-zero (or timed out)."""
+
+    def __init__(self, args: list[str], result: CommandResult, reason: str | None = None) -> None:
+        self.result = result
+        excerpt = failure_excerpt(result.tail)
+        what = reason or f"exit code {result.returncode}"
+        name = Path(args[0]).name if args else "command"
+        detail = f": {excerpt[-1]}" if excerpt else ""
+        super().__init__(f"{name} failed ({what}){detail}", log=str(result.log))
+        self.excerpt = excerpt
+
+
+def failure_excerpt(tail: list[str], limit: int = EXCERPT_LINES) -> list[str]:
+    """The lines most likely to explain a failure: error-looking lines, else the last ones."""
+    errors = [line for line in tail if _ERROR_LINE.search(line)]
+    picked = errors[-limit:] if errors else tail[-limit:]
+    return [line.rstrip() for line in picked if line.strip()]
+
+
+def run_command(
+    args: list[str],
+    *,
+    log: Path,
+    cwd: Path | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float | None = None,
+    on_line: Callable[[str], None] | None = None,
+    check: bool = True,
+    secrets: Sequence[str] = (),
+) -> CommandResult:
+    """Run ``args``, appending a header and its combined output to ``log``; ``secrets``
+    (an API key on the command line) are masked in both, like the token variables.
+
+    The child gets its own process group so Ctrl-C or a timeout stops all of it.
+    """
+    log.parent.mkdir(parents=True, exist_ok=True)
+    tail: deque[str] = deque(maxlen=TAIL_LINES)
+    start = time.monotonic()
+    with open(log, "a", encoding="utf-8", errors="replace") as fh:
+        fh.write(f"\n=== {now_iso()} $ {redact(shlex.join(args), env, secrets)}\n")
+        fh.write(f"=== cwd: {cwd or os.getcwd()}\n")
+        fh.flush()
+        try:
+            proc = _spawn(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        except (FileNotFoundError, PermissionError, NotADirectoryError) as exc:
+            fh.write(f"=== could not start: {exc}\n")
+            result = CommandResult(127, log, 0.0, [str(exc)])
+            if check:
+                raise CommandFailed(args, result, reason=f"cannot start: {exc.strerror}") from None
+            return result
+        timed_out = threading.Event()
+
+        def _kill_on_timeout() -> None:
+            timed_out.set()
+            _kill_group(proc)
+
+        timer = threading.Timer(timeout, _kill_on_timeout) if timeout else None
+        if timer:
+            timer.daemon = True
+            timer.start()
+        try:
+            assert proc.stdout is not None
+            for raw in proc.stdout:
+                line = raw.decode("utf-8", errors="replace")
+                clean = redact(line, env, secrets)
+                fh.write(clean)
+                tail.append(clean.rstrip("\n"))
+                if on_line:
+                    on_line(clean.rstrip("\n"))
+            proc.wait()
+        except BaseException:
+            # Ctrl-C or an error in on_line: never leave the child running
+            _kill_group(proc)
+            proc.wait()
+            fh.write("=== interrupted\n")
+            raise
+        finally:
+            if timer:
+                timer.cancel()
+        duration = time.monotonic() - start
+        fh.write(f"=== exit {proc.returncode} after {duration:.1f}s\n")
+    result = CommandResult(proc.returncode, log, duration, list(tail))
+    if timed_out.is_set():
+        result.returncode = result.returncode or -1
+        if check:
+            raise CommandFailed(args, result, reason=f"timed out after {timeout:.0f}s")
+    elif check and proc.returncode != 0:
+        raise CommandFailed(args, result)
+    return result
+
+
+def capture(
+    args: list[str],
+    *,
+    timeout: float | None,
+    env: Mapping[str, str] | None = None,
+    cwd: Path | str | None = None,
+    input: str | None = None,
+) -> CommandResult:
+    """Run a quick command and return its output as text (undecodable bytes replaced).
+
+    Nothing is logged: these are read-only questions whose answer the caller interprets.
+    Failing to start raises the ``OSError`` (``FileNotFoundError``...) and a timeout
+    ``subprocess.TimeoutExpired``, as ``subprocess.run`` would, but only after the child's
+    whole group is gone. stdin is ``input`` or nothing (never the terminal).
+    """
+    start_time = time.monotonic()
+    proc = _spawn(args, cwd=cwd, env=env,
+                  stdin=subprocess.DEVNULL if input is None else subprocess.PIPE,
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(None if input is None else input.encode(), timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        _close_pipes(proc)
+        raise subprocess.TimeoutExpired(args, timeout or 0.0) from None
+    except BaseException:
+        _kill_group(proc)
+        _close_pipes(proc)
+        raise
+    return CommandResult(proc.returncode, None, time.monotonic() - start_time,
+                         stdout=out.decode("utf-8", errors="replace"),
+                         stderr=err.decode("utf-8", errors="replace"))
+
+
+def run_attached(
+    args: list[str],
+    *,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdin: bool = True,
+    timeout: float | None = None,
+) -> int:
+    """Run ``args`` on our stdout and stderr (and stdin unless ``stdin`` is False); its
+    exit code. Failing to start raises the ``OSError``; a timeout
+    ``subprocess.TimeoutExpired`` once the group is stopped."""
+    proc = _spawn(args, cwd=cwd, env=env, stdin=None if stdin else subprocess.DEVNULL,
+                  stdout=None, stderr=None)
+    try:
+        return proc.wait(timeout=timeout)
+    except BaseException:  # the timeout, Ctrl-C: the group goes with us
+        _kill_group(proc)
+        raise
+
+
+class Child:
+    """A long-lived child started by :func:`start`, in its own process group.
+
+    ``with start(...) as child:`` stops the group if the block raises (Ctrl-C included);
+    a caller that lets the child run on (a detached supervisor) keeps it without ``with``.
+    """
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.proc = proc
+
+    @property
+    def pid(self) -> int:
+        """The child's pid, which is also its process group's id."""
+        return self.proc.pid
+
+    def stop(self, grace: float = KILL_GRACE_S) -> None:
+        """SIGTERM the group, SIGKILL after ``grace`` seconds; returns once the child is reaped."""
+        _kill_group(self.proc, grace)
+
+    def __enter__(self) -> Child:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: object) -> None:
+        if kind is not None:
+            self.stop()
+
+
+def start(
+    args: list[str],
+    *,
+    cwd: Path | str | None = None,
+    env: Mapping[str, str] | None = None,
+    stdout: int | IO[Any] | None = subprocess.PIPE,
+    stderr: int | IO[Any] | None = subprocess.STDOUT,
+    preexec_fn: Callable[[], None] | None = None,
+) -> Child:
+    """Start a long-lived child in its own session, stdin closed; failing to start raises
+    the ``OSError``. The caller reads ``child.proc.stdout`` and stops it with ``stop``."""
+    return Child(_spawn(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+                        stderr=stderr, preexec_fn=preexec_fn))
+
+
+def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | None,
+           stdin: int | None, stdout: int | IO[Any] | None, stderr: int | IO[Any] | None,
+           preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
+    """The one ``Popen`` of the package: a new session, so the group can be stopped whole."""
+    return subprocess.Popen(args, cwd=cwd, env=None if env is None else dict(env), stdin=stdin,
+                            stdout=stdout, stderr=stderr, start_new_session=True,
+                            preexec_fn=preexec_fn, close_fds=True)
+
+
+def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
+    """Close what is left of a stopped child's pipes (a grandchild that left the group may
+    still hold their other ends: never wait on them)."""
+    for pipe in (proc.stdin, proc.stdout, proc.stderr):
+        if pipe is not None:
+            with contextlib.suppress(OSError):
+                pipe.close()
+
+
+def _kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> None:
+    """SIGTERM the child's process group, then SIGKILL after a grace period."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue

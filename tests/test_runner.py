@@ -1,0 +1,110 @@
+"""The runner: every shape of child process starts in its own group and leaves none behind."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dsv4_offload.core.runner import (
+    CommandFailed,
+    capture,
+    redact,
+    run_attached,
+    run_command,
+    start,
+)
+
+# a child that starts a grandchild in its group, prints its pid and then sleeps
+FAMILY = ("import subprocess, sys, time\n"
+          "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+          "print(g.pid, flush=True)\n"
+          "time.sleep(60)\n")
+
+
+def _gone(pid: int, within: float = 10.0) -> bool:
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        try:  # a zombie whose parent is gone counts as gone
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_capture_returns_both_streams_as_text() -> None:
+    res = capture([sys.executable, "-c", "import sys; print('out'); print('err', file=sys.stderr);"
+                   "sys.stdout.buffer.write(b'\\xff'); sys.exit(3)"], timeout=30)
+    assert (res.returncode, res.stdout, res.stderr) == (3, "out\n\ufffd", "err\n")
+    assert res.log is None
+
+
+def test_capture_feeds_input_and_never_the_terminal() -> None:
+    echoed = capture([sys.executable, "-c", "import sys; print(sys.stdin.read().upper())"],
+                     timeout=30, input="abc")
+    assert echoed.stdout == "ABC\n"
+    empty = capture([sys.executable, "-c", "import sys; print(repr(sys.stdin.read()))"],
+                    timeout=30)
+    assert empty.stdout == "''\n"
+
+
+def test_capture_keeps_the_start_error_of_subprocess() -> None:
+    with pytest.raises(FileNotFoundError):
+        capture(["/nonexistent/dsv4-tool"], timeout=5)
+
+
+def test_capture_timeout_stops_the_whole_group(tmp_path: Path) -> None:
+    script = tmp_path / "family.py"
+    script.write_text(FAMILY.replace("print(g.pid, flush=True)",
+                                     f"open({str(tmp_path / 'pid')!r}, 'w').write(str(g.pid))"))
+    began = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        capture([sys.executable, str(script)], timeout=1)
+    assert time.monotonic() - began < 15
+    grandchild = int((tmp_path / "pid").read_text())
+    assert _gone(grandchild), "the grandchild outlived the timeout"
+
+
+def test_run_command_redacts_given_secrets_and_keeps_placeholders(tmp_path: Path) -> None:
+    log = tmp_path / "x.log"
+    res = run_command([sys.executable, "-c", "import sys; print('key', sys.argv[1:])",
+                       "sk-secret-123", "EMPTY"], log=log, secrets=["sk-secret-123", "EMPTY"])
+    text = log.read_text()
+    assert res.returncode == 0 and "sk-secret-123" not in text
+    assert "key ['***', 'EMPTY']" in text
+    assert redact("a sk-secret-123 b", secrets=["sk-secret-123"]) == "a *** b"
+
+
+def test_run_command_timeout_fails_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(CommandFailed, match=r"timed out after 1s"):
+        run_command([sys.executable, "-c", "import time; time.sleep(60)"],
+                    log=tmp_path / "t.log", timeout=1)
+
+
+def test_run_attached_returns_the_exit_code_and_honours_its_timeout(
+        capfd: pytest.CaptureFixture[str]) -> None:
+    assert run_attached([sys.executable, "-c", "print('through'); raise SystemExit(4)"],
+                        stdin=False) == 4
+    assert "through" in capfd.readouterr().out
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_attached([sys.executable, "-c", "import time; time.sleep(60)"], timeout=0.5)
+
+
+def test_a_started_child_is_its_own_group_and_stops_with_it() -> None:
+    with pytest.raises(KeyboardInterrupt), start([sys.executable, "-c", FAMILY]) as child:
+        assert os.getpgid(child.pid) == child.pid != os.getpgid(0)
+        assert child.proc.stdout is not None
+        grandchild = int(child.proc.stdout.readline())
+        raise KeyboardInterrupt
+    assert child.proc.poll() is not None
+    assert _gone(grandchild), "the grandchild outlived the interrupt"
