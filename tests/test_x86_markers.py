@@ -11,8 +11,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from dsv4_offload.recipe import load_recipe
 from dsv4_offload.build.bringup import KT_KERNEL_STEP
+from dsv4_offload.recipe import load_recipe
 
 LOG = Path(__file__).parent / "fixtures" / "build-logs" / "kt-kernel-x86-configure.log"
 
