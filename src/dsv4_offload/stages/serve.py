@@ -186,7 +186,7 @@ def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
     if not ctx.option("warm", True):
         return None
     from dsv4_offload.serving import pagecache
-    from dsv4_offload.serving.plan import LAYER_PLACEHOLDER, weight_template
+    from dsv4_offload.serving.rules import LAYER_PLACEHOLDER, weight_template
 
     template = weight_template(ctx.workspace, ctx.recipe)
     paths = [Path(template.replace(LAYER_PLACEHOLDER, str(i)))
