@@ -553,7 +553,7 @@ def build_plan(
     model_path, weight_path = _weights(d, require_layers)
     ops, ops_origin, depool = _operator(d, require_layers)
     api_key = _api_key(d, api_key_file, port)
-    python = python or s.python
+    python = python or s.python  # python_env.sh's choice (build.interpreter), else the recipe's
     flags = sglang_flags(s, model_path=model_path, weight_path=weight_path,
                          gpu_experts=experts, pools=pools, threads=threads, chunk=chunk,
                          mem_fraction=fraction, port=port, quantization=quantization,
