@@ -50,7 +50,7 @@ def standin_overrides(tag: str, port: int, *args: str, timeout: float = 20) -> l
 def make_op(ws: Workspace) -> Path:
     """The two files of the AscendC operator where serve points KT_MXFP4_OP_DIR (the build
     step's directory); empty, since serve only checks that they exist."""
-    from dsv4_offload.serving.plan import OP_FILES, op_dir
+    from dsv4_offload.serving.rules import OP_FILES, op_dir
 
     directory, _ = op_dir(ws, load_recipe(), {})
     directory.mkdir(parents=True, exist_ok=True)

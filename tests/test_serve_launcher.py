@@ -18,13 +18,10 @@ from dsv4_offload.build.interpreter import chosen_python, resolve_python
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.host import probe_host
 from dsv4_offload.recipe import load_recipe, load_recipe_and_series
-from dsv4_offload.serving.plan import (
-    API_KEY_PLACEHOLDER,
-    atb_set_env,
-    build_plan,
-    op_dir,
-    toolkit_home,
-)
+from dsv4_offload.serving.cann import atb_set_env, toolkit_home
+from dsv4_offload.serving.flags import API_KEY_PLACEHOLDER
+from dsv4_offload.serving.plan import build_plan
+from dsv4_offload.serving.rules import op_dir
 from dsv4_offload.stages.serve import next_attempt
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import Workspace

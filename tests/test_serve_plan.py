@@ -12,10 +12,9 @@ from serve_helpers import make_op
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.host import HostFacts, NpuInfo, probe_host
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.serving.plan import (
-    build_plan,
-    cann_scripts,
-    capture_script_env,
+from dsv4_offload.serving.cann import cann_scripts, capture_script_env
+from dsv4_offload.serving.plan import build_plan
+from dsv4_offload.serving.rules import (
     chunked_prefill,
     cpu_threads,
     nsa_compressor_mode,

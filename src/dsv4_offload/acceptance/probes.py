@@ -56,7 +56,7 @@ def api_key_headers(api_key_file: str | Path | None) -> dict[str, str]:
     """
     if not api_key_file:
         return {}
-    from dsv4_offload.serving.plan import read_api_key
+    from dsv4_offload.serving.rules import read_api_key
 
     return {"Authorization": f"Bearer {read_api_key(Path(api_key_file))}"}
 

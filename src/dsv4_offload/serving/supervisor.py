@@ -228,7 +228,8 @@ class ServerProcess:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         argv = list(self.argv)
         if self.api_key_file:
-            from dsv4_offload.serving.plan import API_KEY_PLACEHOLDER, read_api_key
+            from dsv4_offload.serving.flags import API_KEY_PLACEHOLDER
+            from dsv4_offload.serving.rules import read_api_key
 
             self._secret = read_api_key(Path(self.api_key_file))
             argv = [self._secret if a == API_KEY_PLACEHOLDER else a for a in argv]

@@ -25,7 +25,7 @@ from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Check, Problem, StageResult, Status, Task
 from dsv4_offload.recipe import Acceptance, LogMarker, Probe
 from dsv4_offload.serving import supervisor as sv
-from dsv4_offload.serving.plan import connect_url
+from dsv4_offload.serving.rules import connect_url
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json
 

@@ -255,7 +255,7 @@ def check_page_cache(recipe: Recipe, facts: HostFacts) -> Check:
 
 def check_serve_bind(recipe: Recipe) -> Check:
     """The delivery binds 0.0.0.0 with no key; say so unless a key or loopback is set."""
-    from dsv4_offload.serving.plan import is_loopback
+    from dsv4_offload.serving.rules import is_loopback
 
     serve = recipe.serve
     required = "an API key (serve --api-key-file) or a loopback bind"

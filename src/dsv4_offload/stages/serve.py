@@ -17,15 +17,14 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.serving import supervisor as sv
-from dsv4_offload.serving.plan import (
-    ServePlan,
+from dsv4_offload.serving.cann import (
     atb_set_env,
-    build_plan,
     cann_scripts,
     capture_script_env,
     inherited_env,
     toolkit_home,
 )
+from dsv4_offload.serving.plan import ServePlan, build_plan
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json
 
@@ -188,7 +187,7 @@ def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
     if not ctx.option("warm", True):
         return None
     from dsv4_offload.serving import pagecache
-    from dsv4_offload.serving.plan import LAYER_PLACEHOLDER, weight_template
+    from dsv4_offload.serving.rules import LAYER_PLACEHOLDER, weight_template
 
     template = weight_template(ctx.workspace, ctx.recipe)
     paths = [Path(template.replace(LAYER_PLACEHOLDER, str(i)))
@@ -221,7 +220,7 @@ def _first_rung(ctx: StageContext) -> tuple[int | None, str | None]:
 
     None: the plan's own value (the environment's KT_NUM_GPU_EXPERTS, else the recipe's).
     """
-    from dsv4_offload.serving.plan import inherited_env
+    from dsv4_offload.serving.cann import inherited_env
 
     if inherited_env().get("KT_NUM_GPU_EXPERTS"):
         return None, None  # an exported value is the user's explicit choice

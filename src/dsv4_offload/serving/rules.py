@@ -1,0 +1,227 @@
+"""The launch plan's rules: the launcher's variables, and pure derivations from the recipe and host.
+
+ENV_KNOBS and FLAG_KNOBS list the variables the delivery's launcher reads; each function is
+one rule of that launcher (cann-recipes-infer @ 1a7fbd34,
+integration/sglang/dsv4-flash-single-npu-moe-offload/scripts/tools/launch_ds4flash_npu.sh;
+line numbers below are that file's) or of its guide. The only reads are at the edge, each in
+its own function: the existence of the GGUF layer files (``missing_layer_files``) and of the
+AscendC operator (``missing_op_files``), and the API key file (``read_api_key``).
+build_plan (serving.plan) applies them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dsv4_offload.build import bringup
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.host import choose_npu
+
+if TYPE_CHECKING:
+    from dsv4_offload.core.host import NpuInfo
+    from dsv4_offload.recipe import Recipe, Serve
+    from dsv4_offload.workspace.store import Workspace
+
+# Variables the launcher exports as `export X="${X:-default}"`: a value the user exported
+# wins over the recipe's default, as in the launcher.
+ENV_KNOBS: dict[str, str] = {
+    "KT_PREFILL_STREAM_CKPT": "L78", "KT_MXFP4_CKPT": "L79",
+    "KT_MXFP4_DEPOOL": "L86", "KT_MXFP4_GGUF_DEDUP": "L88", "KT_DYNAMIC_RESIDENT": "L89",
+    "KT_PREFILL_STREAM": "L90", "KT_SIDE_STREAM": "L91", "KT_PREFILL_STREAM_THRESHOLD": "L98",
+    "KT_NSA_COMPRESSOR_MODE": "L162", "SGLANG_SET_CPU_AFFINITY": "L190",
+    "TASK_QUEUE_ENABLE": "L191", "STREAMS_PER_DEVICE": "L192", "PYTORCH_NPU_ALLOC_CONF": "L193",
+    "IS_DEEPSEEK_V4": "L194", "USE_FUSED_COMPRESSOR": "L195", "LI_KV_DTYPE_INT8": "L196",
+    "USE_PA_DECODE": "L197", "USE_PA_PREFILL": "L198", "USE_FUSED_HC_POST_ASCENDC": "L199",
+    "USE_FUSED_HC_PRE_ASCENDC": "L200", "USE_NPU_MOE_GATING_TOP_K": "L201",
+    "USE_FUSED_TRANSPOSE_BATCHMATMUL": "L202", "USE_ROPE_PARTIAL_IN_PLACE_ASCENDC": "L203",
+    "ASCEND_USE_FIA": "L204", "SGLANG_NPU_PROFILE_ENABLE": "L206",
+    "SGLANG_NPU_PROFILE_DECODE_TOKEN": "L207", "SGLANG_NPU_PROFILE_DIR": "L208",
+    "SGLANG_NPU_PROFILE_LEVEL": "L209", "SGLANG_NPU_PROFILE_ANALYSE": "L210",
+    "SGLANG_NPU_PROFILE_DISABLE_GRAPH": "L211", "SGLANG_NPU_PROFILE_KEEP_EAGER_AFTER": "L212",
+    "KT_STREAM_WARMUP": "L290",
+}
+# Launcher variables that become flags: env name -> (flag, line).
+FLAG_KNOBS: dict[str, tuple[str, str]] = {
+    "QUANTIZATION": ("--quantization", "L119"),
+    "MEM_FRACTION": ("--mem-fraction-static", "L316"),
+    "KT_NUM_GPU_EXPERTS": ("--kt-num-gpu-experts", "L323"),
+    "KT_THREADPOOL_COUNT": ("--kt-threadpool-count", "L131"),
+    "KT_CPUINFER": ("--kt-cpuinfer", "L126"),
+    "CHUNKED_PREFILL_SIZE": ("--chunked-prefill-size", "L118"),
+    "PORT": ("--port", "L132"),
+}
+
+
+# kt-kernel substitutes this itself, once per layer: it must reach the server unexpanded.
+LAYER_PLACEHOLDER = "{layer_idx}"
+# The operator sglang/0003 imports when KT_MXFP4_DEPOOL=1 (kt_stream_prefill.py, patch
+# L233-249): `mxfp4_fused_op` from $KT_MXFP4_OP_DIR, else <ktransformers root>/tools/ascendc_mxfp4;
+# the wrapper loads libmxfp4fused.so beside itself (scripts/tools/ascendc_mxfp4/
+# mxfp4_fused_op.py L40-42).
+OP_DIR_ENV = "KT_MXFP4_OP_DIR"
+OP_FILES = ("libmxfp4fused.so", "mxfp4_fused_op.py")
+OP_STEP = "ascendc-op"
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
+
+# origins shown by `serve --print`
+RECIPE, SET, ENVIRONMENT, HOST, WORKSPACE, OPTION, SCRIPTS, RULE = (
+    "recipe", "--set", "environment", "host", "workspace", "option", "CANN set_env", "rule")
+
+
+def cpu_threads(serve: Serve, numa_nodes: Sequence[int], cores: int,
+                pools: int | None = None) -> tuple[int, int]:
+    """(threadpool count, CPU-infer threads) for this host.
+
+    One subpool per NUMA node: kt-kernel binds subpool i to node i, so more than the nodes
+    fails with "NUMA node N not found" (L127-131). Threads: the launcher's 32 (L126, sized for
+    the single-NUMA A3), raised to 16 per node on multi-NUMA hosts (L123-124; guide appendix
+    E: 8 pools / 128 threads on the 8-NUMA Kunpeng-920), and never every core (L124-125).
+    """
+    pools = pools or max(1, len(numa_nodes))
+    cap = cores - serve.reserved_cores
+    threads = min(max(serve.cpuinfer_default, serve.threads_per_numa * pools), cap)
+    threads -= threads % pools  # equal threads per subpool
+    if threads < pools:
+        raise InputError(
+            f"host has {cores} cores and {pools} NUMA nodes: too few for one CPU-infer thread per "
+            f"node after serve.reserved_cores={serve.reserved_cores}; lower serve.reserved_cores"
+        )
+    return pools, threads
+
+
+def chunked_prefill(serve: Serve, longest_prompt: int | None) -> int:
+    """The recipe's chunk, raised to a page multiple covering the longest declared prompt."""
+    longest = longest_prompt or serve.longest_prompt_tokens
+    if longest <= 0:
+        raise InputError(f"--longest-prompt {longest}: must be a positive token count")
+    if longest > serve.context_length:
+        raise InputError(
+            f"--longest-prompt {longest} exceeds serve.context_length {serve.context_length}; "
+            "raise serve.context_length or declare a shorter prompt"
+        )
+    size = max(serve.chunked_prefill_size, longest)
+    page = serve.page_size
+    size = -(-size // page) * page  # round up: the NSA compressor needs one chunk per prompt
+    return min(size, -(-serve.max_prefill_tokens // page) * page)
+
+
+def nsa_compressor_mode(setting: str, cann_version: str | None) -> tuple[str, str]:
+    """(mode, reason): CANN >= 9 has the public single-state op, 8.5 the private split one."""
+    if setting != "auto":
+        return setting, "set by the recipe"
+    if not cann_version:
+        return "split", "CANN version unknown: the code default"
+    try:
+        major = int(cann_version.split(".")[0])
+    except ValueError:
+        return "split", f"CANN version {cann_version!r} unparsable: the code default"
+    return ("single" if major >= 9 else "split"), f"from CANN {cann_version}"
+
+
+def pick_device(npus: Sequence[NpuInfo], requested: int | None, inherited: str | None, *,
+                models: Sequence[str] = (), mem_fraction: float = 0.81
+                ) -> tuple[str | None, str]:
+    """(ASCEND_RT_VISIBLE_DEVICES value, reason): --device, the env, else the idlest card.
+
+    The idlest card is the one doctor checks (host.choose_npu), so both name the same card.
+    """
+    healthy = [n for n in npus if n.healthy]
+    if requested is not None:
+        known = {n.device_id: n for n in npus}
+        if npus and requested not in known:
+            raise InputError(
+                f"--device {requested}: npu-smi lists devices {sorted(known)}; pick one of them"
+            )
+        if npus and known[requested] not in healthy:
+            raise InputError(
+                f"--device {requested}: npu-smi reports health {known[requested].health!r}; "
+                "pick a card whose health is OK"
+            )
+        return str(requested), "from --device"
+    if inherited:
+        return inherited, "kept from the environment"
+    if not healthy:
+        return None, "no healthy NPU reported by npu-smi"
+    # prefer the recipe's NPU model; any healthy card when none matches (doctor says so)
+    idlest = (choose_npu(healthy, models, mem_fraction=mem_fraction)
+              or choose_npu(healthy, ("",), mem_fraction=mem_fraction))
+    assert idlest is not None  # healthy is not empty
+    return str(idlest.device_id), (f"idlest healthy card, {idlest.label} (HBM used "
+                                   f"{idlest.hbm_used_mb} MB, AI core {idlest.aicore_pct}%)")
+
+
+def weight_template(workspace: Workspace, recipe: Recipe) -> str:
+    """The --kt-weight-path value: the GGUF dir and the file template, {layer} made literal."""
+    name = recipe.conversion.file_template.replace("{layer}", LAYER_PLACEHOLDER)
+    return str(workspace.gguf_dir(recipe) / name)
+
+
+def missing_layer_files(workspace: Workspace, recipe: Recipe) -> list[Path]:
+    """Layer files the template resolves to that do not exist (kt-kernel would read nothing)."""
+    template = weight_template(workspace, recipe)
+    paths = [Path(template.replace(LAYER_PLACEHOLDER, str(layer)))
+             for layer in range(recipe.conversion.layers)]
+    return [p for p in paths if not p.is_file()]
+
+
+def op_dir(workspace: Workspace, recipe: Recipe, env: Mapping[str, str]) -> tuple[Path, str]:
+    """(where sglang will import the AscendC operator from, origin of that directory).
+
+    $KT_MXFP4_OP_DIR wins (sglang/0003 reads it first). Otherwise the tool points it at the
+    recipe's ascendc-op build directory instead of copying scripts/tools/* under
+    <ktransformers root>/tools as the guide does (§3, §6): a copy goes stale when the op is
+    rebuilt (the guide's own warning), and the patched tree stays free of untracked files.
+    """
+    if env.get(OP_DIR_ENV):
+        return Path(env[OP_DIR_ENV]), ENVIRONMENT
+    step = next((s for s in recipe.build.steps if s.name == OP_STEP), None)
+    if step is not None:
+        return bringup.step_workdir(workspace, step), WORKSPACE
+    return workspace.tree_dir(recipe) / "tools" / "ascendc_mxfp4", "sglang's default"
+
+
+def missing_op_files(directory: Path) -> list[str]:
+    return [name for name in OP_FILES if not (directory / name).is_file()]
+
+
+def read_api_key(path: Path) -> str:
+    """The key in ``path`` (one line, no blanks); InputError naming the file and the fix."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read the API key file ({exc.strerror}); write the key "
+                         "on one line in a file only you can read (chmod 600)") from None
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    if len(lines) != 1 or any(c.isspace() for c in lines[0]):
+        raise InputError(f"{path}: the API key file must hold exactly one key on one line "
+                         f"(found {len(lines)} non-empty lines); write just the key")
+    return lines[0]
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def env_number(env: Mapping[str, str], name: str, kind: type[int] | type[float]
+                ) -> int | float | None:
+    """The launcher's numeric knob ``name`` (FLAG_KNOBS) as exported; None when unset."""
+    raw = env.get(name, "")
+    if raw == "":
+        return None
+    try:
+        return kind(raw)
+    except ValueError:
+        line = FLAG_KNOBS[name][1]
+        raise InputError(
+            f"{name}={raw!r} in the environment is not a{'n integer' if kind is int else ' number'}"
+            f" (the launcher reads it at {line}); fix or unset it"
+        ) from None
+
+
+def connect_url(host: str, port: int) -> str:
+    """The URL a local client uses: a wildcard bind address is reached on loopback."""
+    if host in ("0.0.0.0", "", "::", "[::]"):
+        host = "127.0.0.1"
+    return f"http://{host}:{port}"
