@@ -12,13 +12,21 @@
    packages the image lacks (hwloc, pkg-config) and this tool (a wheel of the running
    install) are checked, and installed when missing: both are lost when it is recreated.
 3. ``exec_argv`` / ``run_stage_inside``: a stage run in the container by this same tool, on
-   the same workspace; the host lends it the workspace lock for that time.
+   the same workspace; the host lends it the workspace lock for that time. `run` and the
+   stand-alone stage commands both come here when ``workspace.contexts`` says so. Variables
+   cross by name (``docker exec -e NAME``, the value in the client's own environment): the
+   launcher knobs the serve plan reads (``serving.plan.ENV_READ``) and the recipe's env
+   names, when exported; never a value on argv.
+4. The ``docker exec`` client is this process's child in a process group of its own, stopped
+   with it: on Ctrl-C, SIGTERM, SIGHUP or an exception the group is killed, and the kernel
+   sends it SIGTERM if this process dies without a word (SIGKILL).
 """
 
 from __future__ import annotations
 
 import base64
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -29,12 +37,14 @@ import signal
 import subprocess
 import tempfile
 import zipfile
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
+from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
 if TYPE_CHECKING:
@@ -42,8 +52,6 @@ if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
 
 LABEL = "dsv4-offload.config"
-IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by `container exec`: this process is inside
-RUNTIME_ENV = "DSV4_RUNTIME"  # 'host': run every stage here whatever the recipe's runtime
 DOCKER_FIX = "install the Docker client and engine (apt-get install docker.io) and make sure " \
              "`docker ps` works for this user"
 # the three control nodes of the launch script (lines 31-33), each only when present
@@ -154,21 +162,6 @@ def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None 
 def inside_container() -> bool:
     """Whether this process runs in a container (ours says so; docker adds /.dockerenv)."""
     return bool(os.environ.get(IN_CONTAINER_ENV)) or Path("/.dockerenv").exists()
-
-
-def runs_inside(recipe: Recipe, stage: str) -> bool:
-    """Whether `run` sends ``stage`` into the recipe's container from here.
-
-    Not from a process `container exec` started, nor with ``DSV4_RUNTIME=host``, nor from
-    inside some container without a docker client (the operator entered the image by hand,
-    as the guide does): there the stage runs where it is.
-    """
-    runtime = recipe.runtime
-    if runtime.kind != "container" or stage not in runtime.stages:
-        return False
-    if os.environ.get(IN_CONTAINER_ENV) or os.environ.get(RUNTIME_ENV) == "host":
-        return False
-    return not (Path("/.dockerenv").exists() and shutil.which("docker") is None)
 
 
 # --- the docker client ----------------------------------------------------------------------
@@ -452,13 +445,27 @@ def recipe_argument(spec: str | None, plan: ContainerPlan) -> list[str]:
                      "path to --recipe")
 
 
+def crossing_names(recipe: Recipe) -> list[str]:
+    """The variables that cross into the container: every one the serve plan reads and every
+    name the recipe's serve and build env set, when this process has it."""
+    from dsv4_offload.serving.plan import ENV_READ
+
+    names = set(ENV_READ) | set(recipe.serve.env) | {k for step in recipe.build.steps
+                                                      for k in step.env}
+    return sorted(name for name in names if name in os.environ)
+
+
 def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None,
-              overrides: list[str], args: list[str], env: dict[str, str] | None = None
+              overrides: list[str], args: list[str], names: Iterable[str] = ()
               ) -> list[str]:
-    """``docker exec`` running this tool inside on the same workspace and recipe."""
+    """``docker exec`` running this tool inside on the same workspace and recipe.
+
+    ``names`` cross by name (``-e NAME``): docker takes each value from the client's own
+    environment, so none is on argv (where `ps` and the log would show it).
+    """
     argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
-    for key, value in (env or {}).items():
-        argv += ["-e", f"{key}={value}"]
+    for name in dict.fromkeys(names):
+        argv += ["-e", name]
     argv += ["-w", str(workspace.root), plan.name, plan.python, "-m", "dsv4_offload",
              "--workspace", str(workspace.root), *recipe_argument(recipe_spec, plan)]
     for item in overrides:
@@ -466,11 +473,14 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     return argv + list(args)
 
 
-def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> StageResult:
+def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
+                     standalone: dict[str, Any] | None = None) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
 
     The inner `run --from S --to S --force S` records the stage in the shared state file
-    itself; the host only reads back what it printed.
+    itself; the host only reads back what it printed. A stand-alone command (`build`,
+    `serve`, ...) comes the same way, its own options in ``standalone``: they cross as JSON
+    in DSV4_STAGE_OPTIONS and the inner `run` gives them to the stage.
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
 
@@ -485,11 +495,18 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
     path = ctx.recipe.file
     spec = str(path) if path is not None else None
     overrides = list(ctx.recipe.overrides)
+    names = crossing_names(ctx.recipe)
+    env = {**os.environ}
+    if standalone is not None:
+        env[STAGE_OPTIONS_ENV] = json.dumps(standalone, default=str)
+        names.append(STAGE_OPTIONS_ENV)
     with ctx.workspace.lend_lock() as token:
-        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, {HANDOFF_ENV: token})
+        env[HANDOFF_ENV] = token
+        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names])
         with ctx.task(f"{stage} in {plan.name}"):
             code, out = _run_capturing(
-                argv, log, on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
+                argv, log, env=env,
+                on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
     try:
         doc = json.loads(out)
     except ValueError:
@@ -521,28 +538,93 @@ def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> 
 
 
 def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
-                   grace: float = 60.0) -> tuple[int, str]:
+                   grace: float = 60.0, env: dict[str, str] | None = None
+                   ) -> tuple[int, str]:
     """Run ``argv``: stdout returned (the JSON), stderr appended to ``log``.
 
-    On Ctrl-C, ``on_interrupt`` stops the work inside first; the client gets ``grace``
-    seconds to come back with it before it is killed.
+    On Ctrl-C (or SIGTERM/SIGHUP), ``on_interrupt`` stops the work inside first; the client
+    gets ``grace`` seconds to come back with it before its group is killed.
     """
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-        try:
-            out, _ = proc.communicate()
-        except BaseException:
-            if on_interrupt is not None:
-                on_interrupt()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=grace)
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait()
-            raise
+        with _signals_as_interrupt():
+            proc = _start_client(argv, env, stdout=subprocess.PIPE, stderr=err,
+                                 stdin=subprocess.DEVNULL)
+            try:
+                out, _ = proc.communicate()
+            except BaseException:
+                if on_interrupt is not None:
+                    on_interrupt()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace)
+                _stop_group(proc)
+                raise
         err.write(f"=== exit {proc.returncode}\n".encode())
     return proc.returncode, out.decode("utf-8", errors="replace")
+
+
+def exec_attached(argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a `docker exec` with this terminal's stdout and stderr; its exit code.
+
+    Stopped with this process (Ctrl-C, SIGTERM, SIGHUP, an exception, or its death)."""
+    with _signals_as_interrupt():
+        try:
+            proc = _start_client(argv, env)
+        except FileNotFoundError:
+            raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
+        try:
+            return proc.wait()
+        except BaseException:
+            _stop_group(proc)
+            raise
+
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (Linux prctl; else nothing)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+def _start_client(argv: list[str], env: dict[str, str] | None, **kwargs: Any
+                  ) -> subprocess.Popen[bytes]:
+    """The docker client in a process group of its own, which dies with this process."""
+    return subprocess.Popen(argv, env=env, start_new_session=True,
+                            preexec_fn=_die_with_parent, **kwargs)
+
+
+def _stop_group(proc: subprocess.Popen[bytes], grace: float = 10.0) -> None:
+    """SIGTERM the client's group, SIGKILL it after ``grace`` seconds."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+@contextlib.contextmanager
+def _signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt meanwhile, so the cleanup above runs
+    (their default would end this process at once and orphan the client)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
