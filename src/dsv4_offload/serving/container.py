@@ -15,7 +15,7 @@
    the same workspace; the host lends it the workspace lock for that time. `run` and the
    stand-alone stage commands both come here when ``workspace.contexts`` says so. Variables
    cross by name (``docker exec -e NAME``, the value in the client's own environment): the
-   launcher knobs the serve plan reads (``serving.plan.ENV_READ``) and the recipe's env
+   launcher knobs the serve plan reads (``env_read``) and the recipe's env
    names, when exported; never a value on argv.
 4. The ``docker exec`` client is this process's child in a process group of its own, stopped
    with it: on Ctrl-C, SIGTERM, SIGHUP or an exception the group is killed, and the kernel
@@ -445,12 +445,23 @@ def recipe_argument(spec: str | None, plan: ContainerPlan) -> list[str]:
                      "path to --recipe")
 
 
+def env_read() -> frozenset[str]:
+    """Every variable serving/plan.py reads from the environment: the launcher's knobs
+    (ENV_KNOBS, FLAG_KNOBS) and the paths and choices it honours. HOME and PYTHONPATH are the
+    container's own. tests/test_contexts.py checks plan.py reads no other."""
+    from dsv4_offload.build.interpreter import PYTHON_BIN_ENV
+    from dsv4_offload.serving.plan import ENV_KNOBS, FLAG_KNOBS, OP_DIR_ENV
+
+    return frozenset({
+        *ENV_KNOBS, *FLAG_KNOBS, "SKIP_WARMUP", "EXTRA_FLAGS", "KT_GGUF_TEMPLATE", OP_DIR_ENV,
+        "ASCEND_RT_VISIBLE_DEVICES", "NPU_DEVICE_ID", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH",
+        "ATB_SET_ENV", PYTHON_BIN_ENV})
+
+
 def crossing_names(recipe: Recipe) -> list[str]:
     """The variables that cross into the container: every one the serve plan reads and every
     name the recipe's serve and build env set, when this process has it."""
-    from dsv4_offload.serving.plan import ENV_READ
-
-    names = set(ENV_READ) | set(recipe.serve.env) | {k for step in recipe.build.steps
+    names = set(env_read()) | set(recipe.serve.env) | {k for step in recipe.build.steps
                                                       for k in step.env}
     return sorted(name for name in names if name in os.environ)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.build import bringup
-from dsv4_offload.build.interpreter import PYTHON_BIN_ENV, server_pythonpath
+from dsv4_offload.build.interpreter import server_pythonpath
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.host import choose_npu
 
@@ -85,13 +85,6 @@ OP_STEP = "ascendc-op"
 # file): plans, specs, records and logs carry this placeholder instead.
 API_KEY_PLACEHOLDER = "<api-key from file>"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
-# Every variable the plan reads from the environment: the launcher's knobs and the paths it
-# honours. A value exported on the host crosses into the container by name (`docker exec -e
-# NAME`, serving/container.py); HOME and PYTHONPATH are the container's own.
-ENV_READ: frozenset[str] = frozenset({
-    *ENV_KNOBS, *FLAG_KNOBS, "SKIP_WARMUP", "EXTRA_FLAGS", "KT_GGUF_TEMPLATE", OP_DIR_ENV,
-    "ASCEND_RT_VISIBLE_DEVICES", "NPU_DEVICE_ID", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH",
-    "ATB_SET_ENV", PYTHON_BIN_ENV})
 
 # origins shown by `serve --print`
 RECIPE, SET, ENVIRONMENT, HOST, WORKSPACE, OPTION, SCRIPTS, RULE = (
