@@ -14,6 +14,8 @@ import pytest
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 CLI = [sys.executable, "-m", "dsv4_offload"]
+# the 910B recipe with every stage on the host; the file says which tests mean that
+HOST_RECIPE = TESTS / "fixtures" / "recipes" / "host-910b.yaml"
 
 
 class CliResult:
@@ -49,9 +51,8 @@ def cli():  # type: ignore[no-untyped-def]
 def fake_stages_env() -> dict[str, str]:
     """Environment selecting the instrumented stage package for pipeline tests."""
     path = os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    # the bundled 910B recipe runs build/serve/accept in its image: these tests are about
-    # the pipeline on one host, and no Docker engine runs here
-    return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path, "DSV4_RUNTIME": "host"}
+    # where the stages run is the recipe's to say: tests that mean the host use HOST_RECIPE
+    return {"DSV4_STAGE_PACKAGE": "fakestages", "PYTHONPATH": path}
 
 
 @pytest.fixture(scope="session", autouse=True)

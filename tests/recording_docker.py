@@ -7,7 +7,10 @@ to $FAKE_DOCKER/argv.jsonl and answers as the client does for the verbs the tool
 $FAKE_DOCKER/fs/<name> (wiped when it is created again, as a new container starts from
 the image). `exec` runs the command on this host, with the container's -e variables, its -w
 directory and FAKE_CONTAINER_ROOT set: the workspace is mounted at its own path, so a
-host process sees the same files the container would.
+host process sees the same files the container would. As docker does, `-e NAME` takes the
+value from the client's own environment (and sets nothing when the client has none); the
+variables named in $FAKE_DOCKER_HOST_ONLY (comma-separated) stay out of the container unless
+an `-e` names them, as every host variable would with a real engine.
 """
 
 from __future__ import annotations
@@ -94,14 +97,18 @@ def main(argv: list[str]) -> None:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, path)
     elif verb == "exec":
-        env = dict(os.environ)
+        host_only = [n for n in os.environ.get("FAKE_DOCKER_HOST_ONLY", "").split(",") if n]
+        env = {k: v for k, v in os.environ.items() if k not in host_only}
         cwd = None
         i = 1
         while argv[i].startswith("-"):
             if argv[i] in ("-e", "-w"):
                 if argv[i] == "-e":
-                    key, _, value = argv[i + 1].partition("=")
-                    env[key] = value
+                    key, eq, value = argv[i + 1].partition("=")
+                    if eq:
+                        env[key] = value
+                    elif key in os.environ:
+                        env[key] = os.environ[key]  # by name: the client's own value
                 else:
                     cwd = argv[i + 1]
                 i += 2

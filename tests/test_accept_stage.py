@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import HOST_RECIPE, run_cli
 from serve_helpers import (
     STANDIN,
     context,
@@ -271,7 +271,9 @@ def _standin_elsewhere(tmp_path: Path, tag: str, *args: str) -> tuple[subprocess
 
 def _cli_accept(tmp_path: Path, url: str, *args: str, env: dict[str, str] | None = None):
     sets = [a for s in SMALL + ["acceptance.request_timeout_s=5"] for a in ("--set", s)]
-    return run_cli("--workspace", str(tmp_path / "ws"), *sets, "--json", "accept", "--url", url,
+    # the checks run on this host, against a stand-in server (HOST_RECIPE)
+    return run_cli("--workspace", str(tmp_path / "ws"), "-r", str(HOST_RECIPE), *sets, "--json",
+                   "accept", "--url", url,
                    *args, env=env, timeout=120)
 
 

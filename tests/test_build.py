@@ -105,6 +105,8 @@ def make_ctx(root: Path, recipe_steps: list[dict[str, Any]], *, sets: dict[str, 
     doc = yaml.safe_load((BUNDLED_RECIPES / "dsv4-flash-910b.yaml").read_text())
     doc["build"] = {"python": sys.executable, "steps": recipe_steps}
     doc["series"] = str(BUNDLED_RECIPES.parent / "patches" / "dsv4-flash.yaml")
+    # the steps build fixture trees with this host's compilers: the build stage on the host
+    doc["runtime"]["kind"] = "host"
     for dotted, value in (sets or {}).items():
         node = doc
         *parents, last = dotted.split(".")

@@ -123,14 +123,16 @@ def test_every_command_does_the_same_work_with_the_globals_after(
     path: tuple[str, ...], cmd: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str], fake_stages_env: dict[str, str], no_daemons: None,
 ) -> None:
-    """With the bundled recipe, instrumented stages and no network: the same document."""
+    """With the bundled recipe on the host, instrumented stages, no network: the same document."""
+    from conftest import HOST_RECIPE
+
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("DSV4_WORKSPACE", raising=False)
     for key, value in {**fake_stages_env, **OFFLINE}.items():
         monkeypatch.setenv(key, value)
     results = []
     for way, ws in (("before", tmp_path / "ws-a"), ("after", tmp_path / "ws-b")):
-        glob = ["--json", "-w", str(ws), "--set", "serve.port=8123"]
+        glob = ["--json", "-w", str(ws), "-r", str(HOST_RECIPE), "--set", "serve.port=8123"]
         argv = [*path, *_required_args(cmd)]
         code, out, err = _run([*glob, *argv] if way == "before" else [*argv, *glob], capsys)
         assert "No such option" not in err and "Traceback" not in err, err

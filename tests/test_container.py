@@ -7,6 +7,7 @@ its lines, on the Kunpeng-920 + 910B sysroot fixture (8 davinci nodes + the 3 co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import stat
@@ -411,3 +412,106 @@ def test_ctrl_c_on_the_host_stops_the_stage_in_the_container(
     with pytest.raises(ProcessLookupError):
         os.kill(inner_pid, 0)
     assert "lent" not in (ws / ".dsv4/lock").read_text()
+
+
+def test_a_stand_alone_stage_command_runs_in_the_container_as_run_does(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    """`dsv4-offload build STEP --clean` of the 910B recipe: inside, through the same
+    `run --from build --to build` hand-over, with its own options."""
+    ws = tmp_path / "ws"
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "--json", "build", "sglang", "--clean", env=env)
+    assert r.code == 0, r
+    assert (ws / "ran.log").read_text().splitlines() == [f"build (in container {NAME})"]
+    inner = [c for c in _calls(docker_env) if c[1] == "exec" and "run" in c][-1]
+    assert inner[-8:] == ["--json", "run", "--from", "build", "--to", "build", "--force",
+                          "build"]
+    assert "-e" in inner and "DSV4_STAGE_OPTIONS" in inner
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert state["stages"]["build"]["container"] == NAME
+    assert state["stages"]["build"]["outputs"]["options"] == ["clean", "steps"]
+
+
+def test_exported_knobs_cross_by_name_and_no_secret_is_on_argv(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    (ws / "record-env").write_text("CHUNKED_PREFILL_SIZE KT_NUM_GPU_EXPERTS HF_TOKEN")
+    token = "hf_" + os.urandom(12).hex()
+    key = "sk-" + os.urandom(12).hex()
+    key_file = ws / "api.key"
+    key_file.write_text(key + "\n")
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"],
+           "CHUNKED_PREFILL_SIZE": "32768", "KT_NUM_GPU_EXPERTS": "24", "HF_TOKEN": token,
+           # as a real engine would: host variables reach the container only when named
+           "FAKE_DOCKER_HOST_ONLY": "CHUNKED_PREFILL_SIZE,KT_NUM_GPU_EXPERTS,HF_TOKEN"}
+    r = cli(*_args(ws), "serve", "--detach", "--api-key-file", str(key_file), env=env)
+    assert r.code == 0, r
+    assert (ws / "ran.log").read_text().splitlines() == [f"serve (in container {NAME})"]
+    seen = json.loads((ws / "env-serve.json").read_text())
+    assert seen["CHUNKED_PREFILL_SIZE"] == "32768" and seen["KT_NUM_GPU_EXPERTS"] == "24"
+    inner = [c for c in _calls(docker_env) if c[1] == "exec" and "run" in c][-1]
+    named = [inner[i + 1] for i, a in enumerate(inner) if a == "-e"]
+    assert "CHUNKED_PREFILL_SIZE" in named and "KT_NUM_GPU_EXPERTS" in named
+    everything = (Path(docker_env["FAKE_DOCKER"]) / "argv.jsonl").read_text()
+    assert "32768" not in everything  # by name, never NAME=VALUE
+    assert token not in everything and key not in everything
+    log = (ws / "logs/container/serve.log").read_text()
+    assert token not in log and key not in log
+    # the key file's path is what crosses (the stage's options), not the key
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert "api_key_file" in state["stages"]["serve"]["outputs"]["options"]
+
+
+def _parent_of(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_killing_the_cli_stops_its_docker_exec_client(
+        tmp_path: Path, docker_env: dict[str, str], fake_stages_env: dict[str, str],
+        sig: str) -> None:
+    """No `docker exec` client lives on with parent 1 once the CLI is gone."""
+    import signal
+    import subprocess
+    import time
+
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "build").write_text("sleep")
+    env = {**os.environ, **docker_env,
+           "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    env.pop("DSV4_RUNTIME", None)
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_offload", *_args(ws), "build"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    inner_pid = client = None
+    try:
+        deadline = time.monotonic() + 60
+        while not (ws / "build.started").exists():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        inner_pid = json.loads((ws / ".dsv4/state.json").read_text())["stages"]["build"]["pid"]
+        client = _parent_of(inner_pid)  # the (recording) docker exec client
+        assert client != proc.pid and _parent_of(client) == proc.pid
+        os.kill(proc.pid, getattr(signal, sig))
+        proc.communicate(timeout=60)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{client}").exists() and time.monotonic() < deadline:
+            stat = Path(f"/proc/{client}/stat").read_text()
+            if stat.rsplit(")", 1)[1].split()[0] == "Z":
+                break  # exited, not yet reaped
+            time.sleep(0.1)
+        alive = Path(f"/proc/{client}").exists() and \
+            Path(f"/proc/{client}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        assert not alive, f"docker exec client {client} outlived the CLI ({sig})"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        for pid in (inner_pid, client):
+            if pid:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)

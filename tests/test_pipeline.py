@@ -10,10 +10,22 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI
+from conftest import CLI, HOST_RECIPE, run_cli
 
 ALL = ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
        "serve", "accept"]
+
+
+# the pipeline on one host: every command here names the host recipe (HOST_RECIPE says why)
+HOST = ["-r", str(HOST_RECIPE)]
+
+
+@pytest.fixture
+def cli():  # type: ignore[no-untyped-def]
+    def run(*args: str, **kwargs):  # type: ignore[no-untyped-def]
+        return run_cli(*HOST, *args, **kwargs)
+
+    return run
 
 
 @pytest.fixture
@@ -43,7 +55,7 @@ def states(cli, ws: Path, env: dict[str, str], *extra: str) -> dict[str, dict]:
 
 def start_background(ws: Path, env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     full = dict(os.environ, **env)
-    return subprocess.Popen([*CLI, "-w", str(ws), *args], env=full, text=True,
+    return subprocess.Popen([*CLI, *HOST, "-w", str(ws), *args], env=full, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             start_new_session=True)
 
@@ -191,7 +203,8 @@ def test_unimplemented_stage_stops_run_and_is_never_done(cli, ws: Path, fake_sta
 def test_state_file_is_valid_json_after_every_step(ws: Path, fake_stages_env) -> None:
     # the state file is replaced atomically: no temp files remain next to it
     full = dict(os.environ, **fake_stages_env)
-    subprocess.run([*CLI, "-w", str(ws), "run"], env=full, check=True, capture_output=True)
+    subprocess.run([*CLI, *HOST, "-w", str(ws), "run"], env=full, check=True,
+                   capture_output=True)
     meta = ws / ".dsv4"
     assert sorted(p.name for p in meta.iterdir()) == ["lock", "state.json"]
 

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import requests
-from conftest import run_cli
+from conftest import HOST_RECIPE, run_cli
 from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
@@ -57,7 +57,9 @@ def test_serve_print_with_a_bad_device_is_one_line(tmp_path):
 
 def test_serve_without_npu_or_cann_says_what_to_do(tmp_path):
     ws = make_workspace(tmp_path / "ws")
-    res = run_cli("--workspace", str(ws.root), "serve", env=host_env("x86-no-npu"))
+    # the serve stage on this host (HOST_RECIPE): what it says without an NPU or CANN
+    res = run_cli("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "serve",
+                  env=host_env("x86-no-npu"))
     assert res.code != 0
     assert "CANN" in res.err and "Traceback" not in res.err
 
@@ -67,7 +69,8 @@ def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
     port = free_port()
     sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
             for a in ("--set", o)]
-    base = ["--workspace", str(ws.root), *sets]
+    # a stand-in server on this host (HOST_RECIPE)
+    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
     env = host_env("x86-no-npu")
     started = run_cli(*base, "serve", "--detach", env=env)
     assert started.code == 0, started
@@ -96,7 +99,7 @@ def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
 
 def test_accept_against_a_dead_url_fails_with_a_fix(tmp_path):
     ws = make_workspace(tmp_path / "ws")
-    res = run_cli("--workspace", str(ws.root), "--json", "accept", "--url",
+    res = run_cli("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "--json", "accept", "--url",
                   f"http://127.0.0.1:{free_port()}", "--api", "openai")
     assert res.code == 1
     doc = res.json()
@@ -108,7 +111,9 @@ def _standin_cli(ws_root: Path, tag: str, port: int) -> tuple[list[str], dict[st
     sets = [a for o in standin_overrides(tag, port, "--mode", "good") for a in ("--set", o)]
     env = {**os.environ, **host_env("x86-no-npu")}
     env.pop("DSV4_WORKSPACE", None)
-    return [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws_root), *sets], env
+    # a stand-in server on this host (HOST_RECIPE)
+    return [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws_root),
+            "-r", str(HOST_RECIPE), *sets], env
 
 
 def _wait_http(url: str, timeout: float = 20) -> None:
@@ -172,7 +177,9 @@ def test_ctrl_c_while_a_detached_server_loads_leaves_nothing(tmp_path, no_leftov
     sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "slow-start",
                                          "--start-delay", "60") for a in ("--set", o)]
     env = {**os.environ, **host_env("x86-no-npu")}
-    cmd = [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws.root), *sets]
+    # a stand-in server on this host (HOST_RECIPE)
+    cmd = [sys.executable, "-m", "dsv4_offload", "--workspace", str(ws.root),
+           "-r", str(HOST_RECIPE), *sets]
     proc = subprocess.Popen([*cmd, "serve", "--detach"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import HOST_RECIPE, run_cli
 from serve_helpers import make_op, make_workspace
 
 from dsv4_offload.build.interpreter import chosen_python, resolve_python
@@ -408,6 +408,7 @@ def test_api_key_reaches_sglang_only(tmp_path: Path, no_leftovers):
     sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
             for a in ("--set", o)]
     env = {"DSV4_HOST_ROOT": str(HOSTS / "x86-no-npu")}
+    sets = ["-r", str(HOST_RECIPE), *sets]  # a stand-in server on this host
     started = run_cli("--workspace", str(ws.root), *sets, "serve", "--detach",
                       "--api-key-file", str(key_file), env=env)
     try:

@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
+from conftest import HOST_RECIPE
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import load_recipe
@@ -78,11 +79,12 @@ def test_a_bad_value_is_blamed_on_the_override_in_any_spelling() -> None:
 def test_the_field_status_names_can_be_set_back(cli, tmp_path: Path, fake_stages_env) -> None:
     """status prints the changed field; --set takes that very text (issue 11)."""
     ws = tmp_path / "ws"
-    assert cli("run", "-w", str(ws), env=fake_stages_env).code == 0
+    host = ("-r", str(HOST_RECIPE))  # the pipeline on one host (HOST_RECIPE says why)
+    assert cli("run", "-w", str(ws), *host, env=fake_stages_env).code == 0
     at = [s.name for s in load_recipe().sources].index("sglang")
 
     def fetch_state(*sets: str) -> dict:  # type: ignore[type-arg]
-        res = cli("status", "--json", "-w", str(ws), *sets, env=fake_stages_env)
+        res = cli("status", "--json", "-w", str(ws), *host, *sets, env=fake_stages_env)
         assert res.code == 0, res
         return next(s for s in res.json()["data"]["stages"] if s["name"] == "fetch")
 

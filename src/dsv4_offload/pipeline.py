@@ -24,6 +24,7 @@ from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImpleme
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
 from dsv4_offload.core.results import StageResult
 from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
 
 # --- fingerprints --------------------------------------------------------------------------
 
@@ -97,11 +98,7 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
 
 
 def _runs_in_container(ctx: StageContext, stage: str) -> bool:
-    if ctx.recipe.runtime.kind != "container":
-        return False  # the common case costs no import
-    from dsv4_offload.serving.container import runs_inside
-
-    return runs_inside(ctx.recipe, stage)
+    return runs_in_container(ctx.recipe, stage)
 
 
 def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
@@ -235,7 +232,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
         "log": result.log,
     }
-    inside = os.environ.get("DSV4_IN_CONTAINER")
+    inside = os.environ.get(IN_CONTAINER_ENV)
     if inside:
         record["container"] = inside  # where its processes live (serve stop/status go there)
     ws.write_stage_record(name, record)
@@ -343,17 +340,37 @@ def run_pipeline(
             on_stage(stage.name, "run")
         options = dict(ctx.options)
         options.update(stage.run_options)
-        if _runs_in_container(ctx, stage.name):
-            from dsv4_offload.serving.container import run_stage_inside
-
-            # the container's own `run` records the stage in the shared state file
-            result = run_stage_inside(ctx, stage.name, options)
-        else:
-            result = run_stage(ctx, stage.name, options)
+        options.update(_handed_options())
+        result = dispatch_stage(ctx, stage.name, options)
         results.append((stage.name, result))
         if not result.ok:
             return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)
     return RunOutcome(results, skipped, ExitCode.OK)
+
+
+def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
+                   standalone: bool = False) -> StageResult:
+    """Run one stage where the recipe puts it (workspace/contexts.py): here, or in the
+    recipe's container. `run` and the stand-alone stage commands both come through here;
+    ``standalone`` hands the command's own options to the `run` inside."""
+    if _runs_in_container(ctx, name):
+        from dsv4_offload.serving.container import run_stage_inside
+
+        # the container's own `run` records the stage in the shared state file
+        return run_stage_inside(ctx, name, options, options if standalone else None)
+    return run_stage(ctx, name, options)
+
+
+def _handed_options() -> dict[str, Any]:
+    """The options of the stand-alone command that handed its stage to this `run` (inside)."""
+    raw = os.environ.get(STAGE_OPTIONS_ENV) if os.environ.get(IN_CONTAINER_ENV) else None
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}") from None
+    return value if isinstance(value, dict) else {}
 
 
 def model_digest(value: BaseModel) -> str:

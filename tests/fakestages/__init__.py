@@ -3,10 +3,12 @@
 Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
 <workspace>/ran.log and obeys <workspace>/behave/<stage>: 'fail' returns a failed result,
 'raise' raises an InputError, 'sleep' sleeps until killed, 'interrupt' raises Ctrl-C.
+With <workspace>/record-env (names), it writes the values it saw to <workspace>/env-<stage>.json.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -23,6 +25,10 @@ def make(name: str):  # type: ignore[no-untyped-def]
         inside = os.environ.get("DSV4_IN_CONTAINER")
         with open(root / "ran.log", "a") as fh:
             fh.write(f"{name}" + (f" (in container {inside})" if inside else "") + "\n")
+        wanted = root / "record-env"
+        if wanted.exists():  # the variables this stage saw, by name (None when unset)
+            seen = {k: os.environ.get(k) for k in wanted.read_text().split()}
+            (root / f"env-{name}.json").write_text(json.dumps(seen))
         if behave == "sleep":
             (root / f"{name}.started").write_text("x")
             time.sleep(600)

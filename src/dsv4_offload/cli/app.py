@@ -61,14 +61,36 @@ def main_options(
         [], "--set", metavar="KEY=VALUE",
         help="Override a recipe field: dotted.key=value (repeatable).",
     ),
+    runtime: str | None = typer.Option(
+        None, "--runtime", metavar="recipe|host", envvar="DSV4_RUNTIME", show_envvar=True,
+        help="Where stages run: 'recipe' (default: the host or the recipe's container, as its "
+        "runtime says) or 'host' (every stage here, with a warning for each the recipe puts "
+        "in its container)."),
     json_out: bool = typer.Option(False, "--json", help="One JSON document on stdout."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="More detail."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Only the result line."),
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version."),
 ) -> None:
+    _set_runtime(runtime)
     ctx.obj = GlobalOptions(workspace=workspace, recipe=recipe, overrides=list(overrides),
                             json=json_out, verbose=verbose, quiet=quiet)
+
+
+def _set_runtime(value: str | None) -> None:
+    """``--runtime``: one spelling for this process, its environment's (DSV4_RUNTIME), which
+    workspace/contexts.py reads."""
+    import os
+
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.workspace.contexts import RUNTIME_CHOICES, RUNTIME_ENV
+
+    if value is None:
+        return
+    if value not in RUNTIME_CHOICES:
+        raise InputError(f"--runtime {value!r} (or {RUNTIME_ENV}): use "
+                         f"{' or '.join(RUNTIME_CHOICES)}")
+    os.environ[RUNTIME_ENV] = value
 
 
 # --- entry point ---------------------------------------------------------------------------

@@ -119,8 +119,8 @@ def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
     return kept[:insert_at] + moved + kept[insert_at:], found
 
 
-GLOBALS_EPILOG = ("Global options (-w/--workspace, -r/--recipe, --set, --json, -v, -q) work "
-                  "here too; see `dsv4-offload --help`.")
+GLOBALS_EPILOG = ("Global options (-w/--workspace, -r/--recipe, --set, --runtime, --json, -v, "
+                  "-q) work here too; see `dsv4-offload --help`.")
 
 
 def _add_epilog(cmd: Any) -> None:

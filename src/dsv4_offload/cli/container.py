@@ -11,7 +11,6 @@ import typer
 
 from dsv4_offload.cli.kit import emit, exit_with, load_context, options_of
 from dsv4_offload.core.errors import ExitCode
-from dsv4_offload.core.runner import run_attached
 
 container_app = typer.Typer(
     help="The recipe's runtime container (the 910B image): up, exec, status, down.",
@@ -88,7 +87,12 @@ def exec_(
     workspace (mounted at its own path), so its stage records land in the same state file
     and `status` on the host shows them.
     """
-    from dsv4_offload.serving.container import container_up, exec_argv
+    from dsv4_offload.serving.container import (
+        container_up,
+        crossing_names,
+        exec_argv,
+        exec_attached,
+    )
 
     pctx, plan = _plan(ctx, devices)
     with pctx.task(f"container {plan.name}") as task:
@@ -98,14 +102,9 @@ def exec_(
     if g.json and "--json" not in inner:
         inner = ["--json", *inner]
     path = pctx.recipe.file
-    argv = exec_argv(plan, pctx.workspace, str(path) if path else None, g.overrides, inner)
-    try:
-        code = run_attached(argv)
-    except FileNotFoundError:
-        from dsv4_offload.core.errors import Dsv4Error
-
-        raise Dsv4Error("the docker client is not on PATH; install it") from None
-    exit_with(code)
+    argv = exec_argv(plan, pctx.workspace, str(path) if path else None, g.overrides, inner,
+                     crossing_names(pctx.recipe))
+    exit_with(exec_attached(argv))
 
 
 @container_app.command("status")
@@ -147,14 +146,16 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
     did not (the caller goes on here). The server's pids are the container's: signalling
     them from the host would reach other processes."""
     from dsv4_offload.serving.container import (
+        crossing_names,
         exec_argv,
+        exec_attached,
         find_container,
         plan_container,
-        runs_inside,
     )
+    from dsv4_offload.workspace.contexts import runs_in_container
 
     record = sctx.workspace.read_state().get("stages", {}).get(stage) or {}
-    if not record.get("container") or not runs_inside(sctx.recipe, stage):
+    if not record.get("container") or not runs_in_container(sctx.recipe, stage):
         return False  # it ran here
     plan = plan_container(sctx.recipe, sctx.workspace)
     found = find_container(plan.name)
@@ -166,6 +167,6 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
         exit_with(ExitCode.FAILED)
     path = sctx.recipe.file
     inner = ["--json", *args] if g.json else list(args)
-    code = run_attached(exec_argv(plan, sctx.workspace, str(path) if path else None,
-                                  g.overrides, inner))
+    code = exec_attached(exec_argv(plan, sctx.workspace, str(path) if path else None,
+                                   g.overrides, inner, crossing_names(sctx.recipe)))
     exit_with(code)

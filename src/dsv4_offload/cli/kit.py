@@ -104,7 +104,7 @@ def run_stage(typer_ctx: typer.Context, stage: str, options: dict[str, Any]) -> 
 
     ctx = load_context(typer_ctx, stage, options)
     with ctx.workspace.lock(stage):
-        result = pipeline.run_stage(ctx, stage, options)
+        result = pipeline.dispatch_stage(ctx, stage, options, standalone=True)
     emit_result(typer_ctx, stage, result)
     exit_with(result_exit_code(result))
 

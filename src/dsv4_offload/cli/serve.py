@@ -95,7 +95,7 @@ def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
     if type(sctx.progress) is Progress and not (g.json or g.quiet):
         sctx.progress = _EchoProgress()  # no terminal: plain lines instead of rich output
     with sctx.workspace.lock("serve"):
-        result = pipeline.run_stage(sctx, "serve", options)
+        result = pipeline.dispatch_stage(sctx, "serve", options, standalone=True)
     kit.emit_result(ctx, "serve", result)
     kit.exit_with(kit.result_exit_code(result))
 
@@ -283,7 +283,7 @@ def accept(
                                "api_key_file": api_key_file}
     sctx = kit.load_context(ctx, "accept", options)
     with sctx.workspace.lock("accept"):
-        result = pipeline.run_stage(sctx, "accept", options)
+        result = pipeline.dispatch_stage(sctx, "accept", options, standalone=True)
     kit.emit_result(ctx, "accept", result)  # the checks table, the fixes, the verdict
     g = kit.options_of(ctx)
     if not g.json and not g.quiet and result.data.get("report"):

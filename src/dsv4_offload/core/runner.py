@@ -18,6 +18,7 @@ The shapes callers need:
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import re
 import shlex
@@ -26,7 +27,7 @@ import subprocess
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -203,12 +204,13 @@ def run_attached(
     env: Mapping[str, str] | None = None,
     stdin: bool = True,
     timeout: float | None = None,
+    preexec_fn: Callable[[], None] | None = None,
 ) -> int:
     """Run ``args`` on our stdout and stderr (and stdin unless ``stdin`` is False); its
     exit code. Failing to start raises the ``OSError``; a timeout
     ``subprocess.TimeoutExpired`` once the group is stopped."""
     proc = _spawn(args, cwd=cwd, env=env, stdin=None if stdin else subprocess.DEVNULL,
-                  stdout=None, stderr=None)
+                  stdout=None, stderr=None, preexec_fn=preexec_fn)
     try:
         return proc.wait(timeout=timeout)
     except BaseException:  # the timeout, Ctrl-C: the group goes with us
@@ -292,3 +294,36 @@ def _kill_group(proc: subprocess.Popen[bytes], grace: float = KILL_GRACE_S) -> N
             return
         except subprocess.TimeoutExpired:
             continue
+
+
+# --- dying together ---------------------------------------------------------------------
+
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """As a child's ``preexec_fn``: SIGTERM it when this process dies, by any signal
+    SIGKILL included (Linux prctl; elsewhere nothing)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+
+
+@contextlib.contextmanager
+def signals_as_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt meanwhile, so the same cleanup as for
+    Ctrl-C runs (their default would end this process at once and orphan its children)."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -12,7 +12,14 @@
    packages the image lacks (hwloc, pkg-config) and this tool (a wheel of the running
    install) are checked, and installed when missing: both are lost when it is recreated.
 3. ``exec_argv`` / ``run_stage_inside``: a stage run in the container by this same tool, on
-   the same workspace; the host lends it the workspace lock for that time.
+   the same workspace; the host lends it the workspace lock for that time. `run` and the
+   stand-alone stage commands both come here when ``workspace.contexts`` says so. Variables
+   cross by name (``docker exec -e NAME``, the value in the client's own environment): the
+   launcher knobs the serve plan reads (``env_read``) and the recipe's env
+   names, when exported; never a value on argv.
+4. The ``docker exec`` client is this process's child in a process group of its own, stopped
+   with it: on Ctrl-C, SIGTERM, SIGHUP or an exception the group is killed, and the kernel
+   sends it SIGTERM if this process dies without a word (SIGKILL).
 """
 
 from __future__ import annotations
@@ -29,13 +36,23 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
-from dsv4_offload.core.runner import CommandFailed, capture, run_command, start
+from dsv4_offload.core.runner import (
+    CommandFailed,
+    capture,
+    die_with_parent,
+    run_attached,
+    run_command,
+    signals_as_interrupt,
+    start,
+)
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
+from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 
 if TYPE_CHECKING:
@@ -43,8 +60,6 @@ if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
 
 LABEL = "dsv4-offload.config"
-IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by `container exec`: this process is inside
-RUNTIME_ENV = "DSV4_RUNTIME"  # 'host': run every stage here whatever the recipe's runtime
 DOCKER_FIX = "install the Docker client and engine (apt-get install docker.io) and make sure " \
              "`docker ps` works for this user"
 # the three control nodes of the launch script (lines 31-33), each only when present
@@ -156,21 +171,6 @@ def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None 
 def inside_container() -> bool:
     """Whether this process runs in a container (ours says so; docker adds /.dockerenv)."""
     return bool(os.environ.get(IN_CONTAINER_ENV)) or Path("/.dockerenv").exists()
-
-
-def runs_inside(recipe: Recipe, stage: str) -> bool:
-    """Whether `run` sends ``stage`` into the recipe's container from here.
-
-    Not from a process `container exec` started, nor with ``DSV4_RUNTIME=host``, nor from
-    inside some container without a docker client (the operator entered the image by hand,
-    as the guide does): there the stage runs where it is.
-    """
-    runtime = recipe.runtime
-    if runtime.kind != "container" or stage not in runtime.stages:
-        return False
-    if os.environ.get(IN_CONTAINER_ENV) or os.environ.get(RUNTIME_ENV) == "host":
-        return False
-    return not (Path("/.dockerenv").exists() and shutil.which("docker") is None)
 
 
 # --- the docker client ----------------------------------------------------------------------
@@ -578,13 +578,38 @@ def recipe_argument(spec: str | None, plan: ContainerPlan) -> list[str]:
                      "path to --recipe")
 
 
+def env_read() -> frozenset[str]:
+    """Every variable serving/plan.py reads from the environment: the launcher's knobs
+    (ENV_KNOBS, FLAG_KNOBS) and the paths and choices it honours. HOME and PYTHONPATH are the
+    container's own. tests/test_contexts.py checks plan.py reads no other."""
+    from dsv4_offload.build.interpreter import PYTHON_BIN_ENV
+    from dsv4_offload.serving.plan import ENV_KNOBS, FLAG_KNOBS, OP_DIR_ENV
+
+    return frozenset({
+        *ENV_KNOBS, *FLAG_KNOBS, "SKIP_WARMUP", "EXTRA_FLAGS", "KT_GGUF_TEMPLATE", OP_DIR_ENV,
+        "ASCEND_RT_VISIBLE_DEVICES", "NPU_DEVICE_ID", "ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH",
+        "ATB_SET_ENV", PYTHON_BIN_ENV})
+
+
+def crossing_names(recipe: Recipe) -> list[str]:
+    """The variables that cross into the container: every one the serve plan reads and every
+    name the recipe's serve and build env set, when this process has it."""
+    names = set(env_read()) | set(recipe.serve.env) | {k for step in recipe.build.steps
+                                                      for k in step.env}
+    return sorted(name for name in names if name in os.environ)
+
+
 def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None,
-              overrides: list[str], args: list[str], env: dict[str, str] | None = None
+              overrides: list[str], args: list[str], names: Iterable[str] = ()
               ) -> list[str]:
-    """``docker exec`` running this tool inside on the same workspace and recipe."""
+    """``docker exec`` running this tool inside on the same workspace and recipe.
+
+    ``names`` cross by name (``-e NAME``): docker takes each value from the client's own
+    environment, so none is on argv (where `ps` and the log would show it).
+    """
     argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
-    for key, value in (env or {}).items():
-        argv += ["-e", f"{key}={value}"]
+    for name in dict.fromkeys(names):
+        argv += ["-e", name]
     argv += ["-w", str(workspace.root), plan.name, tool_python(workspace), "-m", "dsv4_offload",
              "--workspace", str(workspace.root), *recipe_argument(recipe_spec, plan)]
     for item in overrides:
@@ -592,11 +617,14 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     return argv + list(args)
 
 
-def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> StageResult:
+def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
+                     standalone: dict[str, Any] | None = None) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
 
     The inner `run --from S --to S --force S` records the stage in the shared state file
-    itself; the host only reads back what it printed.
+    itself; the host only reads back what it printed. A stand-alone command (`build`,
+    `serve`, ...) comes the same way, its own options in ``standalone``: they cross as JSON
+    in DSV4_STAGE_OPTIONS and the inner `run` gives them to the stage.
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
 
@@ -611,11 +639,18 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any]) -> 
     path = ctx.recipe.file
     spec = str(path) if path is not None else None
     overrides = list(ctx.recipe.overrides)
+    names = crossing_names(ctx.recipe)
+    env = {**os.environ}
+    if standalone is not None:
+        env[STAGE_OPTIONS_ENV] = json.dumps(standalone, default=str)
+        names.append(STAGE_OPTIONS_ENV)
     with ctx.workspace.lend_lock() as token:
-        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, {HANDOFF_ENV: token})
+        env[HANDOFF_ENV] = token
+        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names])
         with ctx.task(f"{stage} in {plan.name}"):
             code, out = _run_capturing(
-                argv, log, on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
+                argv, log, env=env,
+                on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
     try:
         doc = json.loads(out)
     except ValueError:
@@ -647,26 +682,40 @@ def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> 
 
 
 def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
-                   grace: float = 60.0) -> tuple[int, str]:
+                   grace: float = 60.0, env: dict[str, str] | None = None
+                   ) -> tuple[int, str]:
     """Run ``argv``: stdout returned (the JSON), stderr appended to ``log``.
 
-    On Ctrl-C, ``on_interrupt`` stops the work inside first; the client gets ``grace``
-    seconds to come back with it before it is killed.
+    On Ctrl-C (or SIGTERM/SIGHUP), ``on_interrupt`` stops the work inside first; the client
+    gets ``grace`` seconds to come back with it before its group is killed.
     """
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
-        child = start(argv, stdout=subprocess.PIPE, stderr=err)
-        proc = child.proc
-        try:
-            out, _ = proc.communicate()
-        except BaseException:
-            if on_interrupt is not None:
-                on_interrupt()
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    proc.wait(timeout=grace)
-            child.stop()
-            raise
+        with signals_as_interrupt():
+            child = start(argv, env=env, stdout=subprocess.PIPE, stderr=err,
+                          preexec_fn=die_with_parent)
+            proc = child.proc
+            try:
+                out, _ = proc.communicate()
+            except BaseException:
+                if on_interrupt is not None:
+                    on_interrupt()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(timeout=grace)
+                child.stop()
+                raise
         err.write(f"=== exit {proc.returncode}\n".encode())
     return proc.returncode, out.decode("utf-8", errors="replace")
+
+
+def exec_attached(argv: list[str], env: dict[str, str] | None = None) -> int:
+    """Run a `docker exec` with this terminal's stdout and stderr; its exit code.
+
+    Stopped with this process (Ctrl-C, SIGTERM, SIGHUP, an exception, or its death)."""
+    with signals_as_interrupt():
+        try:
+            return run_attached(argv, env=env, preexec_fn=die_with_parent)
+        except FileNotFoundError:
+            raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
 

@@ -1,0 +1,74 @@
+"""Where each stage and build step runs: the one decision (issue 17, "execution contexts").
+
+The recipe says it: a stage named in ``runtime.stages`` of a ``runtime.kind: container``
+recipe runs in the recipe's image, every other stage on the host; a build step runs where the
+build stage runs. ``context_of`` reads that and nothing else; ``runs_in_container`` adds what
+this process knows (already inside, or told ``--runtime host``) and is what `run` and the
+stand-alone stage commands both ask before running a stage.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from dsv4_offload.recipe import Recipe
+
+Context = Literal["host", "container"]
+HOST: Context = "host"
+CONTAINER: Context = "container"
+IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by our `docker exec`: this process is inside
+# `--runtime host` spelled in the environment: every stage here, whatever the recipe says
+RUNTIME_ENV = "DSV4_RUNTIME"
+RUNTIME_CHOICES = ("recipe", "host")
+# a stand-alone stage command's options (JSON), for the `run` it hands the stage to inside
+STAGE_OPTIONS_ENV = "DSV4_STAGE_OPTIONS"
+BUILD_STAGE = "build"
+
+_warned: set[str] = set()
+
+
+def context_of(recipe: Recipe, stage: str) -> Context:
+    """Where the recipe puts ``stage``: 'container' or 'host'."""
+    runtime = recipe.runtime
+    if runtime.kind == "container" and stage in runtime.stages:
+        return CONTAINER
+    return HOST
+
+
+def step_context(recipe: Recipe, step: str) -> Context:
+    """Where the recipe puts build step ``step``: where its build stage runs."""
+    names = [s.name for s in recipe.build.steps]
+    if step not in names:
+        raise KeyError(f"recipe {recipe.name} has no build step {step!r} ({', '.join(names)})")
+    return context_of(recipe, BUILD_STAGE)
+
+
+def forced_host() -> bool:
+    """``--runtime host`` (or DSV4_RUNTIME=host): the escape hatch, everything here."""
+    return os.environ.get(RUNTIME_ENV, "") == "host"
+
+
+def runs_in_container(recipe: Recipe, stage: str) -> bool:
+    """Whether this process sends ``stage`` into the recipe's container.
+
+    Not from a process our `docker exec` started (it is inside), nor with ``--runtime host``
+    (said once on stderr), nor from inside some container without a docker client (the
+    operator entered the image by hand, as the guide does): there the stage runs where it is.
+    """
+    if context_of(recipe, stage) != CONTAINER:
+        return False
+    if os.environ.get(IN_CONTAINER_ENV):
+        return False
+    if forced_host():
+        if stage not in _warned:
+            _warned.add(stage)
+            sys.stderr.write(f"warning: running {stage} on the host although the recipe puts "
+                             f"it in container {recipe.runtime.image}\n")
+            sys.stderr.flush()
+        return False
+    return not (Path("/.dockerenv").exists() and shutil.which("docker") is None)
