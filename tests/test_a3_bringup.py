@@ -34,8 +34,23 @@ def _exe(path: Path, text: str) -> None:
     path.chmod(0o755)
 
 
-# the interpreter: `-m pip` records argv + PIP_CONSTRAINT and "installs" into a site dir of
-# stand-in packages; anything else runs the real python with that site dir on its path
+# what the recorders (pip, cmake, gcc-13, bisheng) write of their environment
+RECORDED_ENV = ("FAKE_CANN_MARKER", "ASCEND_HOME_PATH", "ASCEND_TOOLKIT_HOME", "CC", "CXX")
+# a recorder: its argv, cwd, umask and RECORDED_ENV as a JSON line in $FAKE_RECORD
+RECORDER = f"""#!{sys.executable}
+import json, os, sys
+mask = os.umask(0); os.umask(mask)
+with open(os.environ["FAKE_RECORD"], "a") as fh:
+    fh.write(json.dumps({{"tool": os.path.basename(sys.argv[0]), "argv": sys.argv[1:],
+                         "cwd": os.getcwd(), "umask": "%04o" % mask,
+                         **{{k: os.environ.get(k) for k in {RECORDED_ENV!r}}}}}) + "\\n")
+if "--version" in sys.argv:
+    print(os.path.basename(sys.argv[0]) + " (recorder) 13.1.0")
+"""
+
+# the interpreter: `-m pip` records argv + PIP_CONSTRAINT (and RECORDED_ENV, the umask) and
+# "installs" into a site dir of stand-in packages; anything else runs the real python with
+# that site dir on its path
 FAKE_PYTHON = f"""#!{sys.executable}
 import json, os, sys
 SITE = os.environ["FAKE_SITE"]
@@ -53,8 +68,12 @@ def module(name, text):
 if sys.argv[1:3] == ["-m", "pip"]:
     args = sys.argv[3:]
     with open(os.environ["FAKE_PIP_LOG"], "a") as fh:
+        mask = os.umask(0); os.umask(mask)
         fh.write(json.dumps({{"argv": args, "PIP_CONSTRAINT": os.environ.get("PIP_CONSTRAINT"),
-                             "cwd": os.getcwd()}}) + "\\n")
+                             "cwd": os.getcwd(), "umask": "%04o" % mask,
+                             **{{k: os.environ.get(k) for k in {RECORDED_ENV!r}}}}}) + "\\n")
+    if "-e" in args and os.path.basename(os.getcwd()) == "gguf-py":  # editable gguf-py
+        module("gguf", "")
     for a in args:
         if a.startswith("triton-ascend=="):
             version = os.environ.get("FAKE_TRITON_VERSION") or a.split("==")[1]
@@ -335,3 +354,138 @@ def test_both_recipes_validate_and_the_a3_dry_run_lists_the_bring_up(cli, tmp_pa
 
 def _stat_mode(path: Path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+# --- the environment of each step: the cann context, gcc-13, the umask -----------------------
+
+KT = "src/ktransformers/kt-kernel"
+GGUF = "src/ktransformers/third_party/llama.cpp/gguf-py"
+SGLANG = "src/ktransformers/third_party/sglang/python"
+OP = f"{DELIVERY_TOOLS}/ascendc_mxfp4"
+AFTER = ["kt-kernel", "gguf-py", "sglang", "ascendc-op"]
+# kt-kernel's setup.py reduced to what touches the environment: CMake, then the compiler in CC
+KT_SETUP = """import os, subprocess, sys
+subprocess.run(["cmake", "-S", ".", "-B", "build"], check=True)
+subprocess.run([os.environ.get("CC", "cc"), "-c", "ext.c"], check=True)
+open("python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so", "wb").close()
+"""
+
+
+def _fake_cann(home: Path, tag: str) -> None:
+    """A CANN home whose set_env.sh marks the environment and puts its bin dir (bisheng) first,
+    with the AscendC header the op compiles against (guide line 545)."""
+    _exe(home / "set_env.sh", 'export ASCEND_CUSTOM_OPP_PATH="${ASCEND_CUSTOM_OPP_PATH}:x"\n'
+         f'export ASCEND_OPP_PATH="{home}/opp"\nexport FAKE_CANN_MARKER={tag}\n'
+         f'export PATH="{home}/bin:$PATH"\n')
+    _exe(home / "bin" / "bisheng", RECORDER)
+    header = home / "aarch64-linux/tikcpp/tikcfw/kernel_operator.h"
+    header.parent.mkdir(parents=True, exist_ok=True)
+    header.write_text("// AscendC\n")
+
+
+@pytest.fixture
+def a3env(a3: dict, tmp_path: Path) -> dict:
+    """The A3 workspace with the four steps after the bring-up laid out, recorders for cmake,
+    gcc-13 and bisheng, and a CANN home that marks the environment."""
+    _fake_cann(a3["cann"], "cann-9")
+    bin_dir = Path(a3["env"]["FAKE_PY"]).parent
+    for tool in ("cmake", "gcc-13"):
+        _exe(bin_dir / tool, RECORDER)
+    ws = a3["ws"]
+    (ws / KT / "python").mkdir(parents=True)
+    (ws / KT / "python" / "__init__.py").write_text("")
+    (ws / KT / "setup.py").write_text(KT_SETUP)
+    (ws / GGUF).mkdir(parents=True)
+    (ws / SGLANG / "sglang").mkdir(parents=True)
+    (ws / SGLANG / "sglang" / "__init__.py").write_text("")
+    (ws / OP).mkdir(parents=True)
+    (ws / OP / "mxfp4_fused_kernel.cpp").write_text("// the op\n")
+    record = tmp_path / "record.log"
+    a3["env"]["FAKE_RECORD"] = str(record)
+    # the markers are test_build.py's business; here the configure prints none of them
+    a3["args"] += ["--set", "build.steps[kt-kernel].expect_markers=[]",
+                   "--set", "build.steps[kt-kernel].forbid_markers=[]"]
+    return {**a3, "record": record}
+
+
+def _records(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_each_step_runs_in_the_cann_shell_with_gcc_13_for_kt_kernel_alone(cli, a3env: dict
+                                                                          ) -> None:
+    old_mask = os.umask(0o002)  # the group-writable umask msopgen refuses (S96)
+    try:
+        r, doc = _build(cli, a3env, *BRINGUP, *AFTER, env={"CC": "cc-of-the-shell"})
+    finally:
+        os.umask(old_mask)
+    assert r.code == 0, r
+    steps = doc["data"]["data"]["steps"]
+    assert list(steps) == [*BRINGUP, *AFTER]
+    assert all(s["status"] == "ok" for s in steps.values()), steps
+    cann = str(a3env["cann"])
+    pip = _records(a3env["pip"])
+    # the steps' calls (all in the workspace); not the fingerprint's `gcc-13 --version` nor
+    # the preflight asking gcc-13 for hwloc.h and numa.h before any step
+    tools = [c for c in _records(a3env["record"]) if c["argv"][:2] != ["-xc", "-E"]
+             and Path(c["cwd"]).is_relative_to(a3env["ws"])]
+    # every command after CANN is there ran in its shell: set_env.sh sourced (the marker, its
+    # bin dir first), ASCEND_HOME_PATH and ASCEND_TOOLKIT_HOME the CANN home, umask 0022
+    for call in pip + tools:
+        assert call["FAKE_CANN_MARKER"] == "cann-9", call
+        assert call["ASCEND_HOME_PATH"] == cann and call["ASCEND_TOOLKIT_HOME"] == cann, call
+        assert call["umask"] == "0022", call
+    by_cwd = {Path(c["cwd"]).relative_to(a3env["ws"]).as_posix(): c for c in pip
+              if Path(c["cwd"]).is_relative_to(a3env["ws"])}
+    assert {GGUF, SGLANG} <= by_cwd.keys()  # gguf-py's and sglang's pip ran, in that shell
+    # gcc-13 is kt-kernel's compiler alone (S281): CMake and the compile there see it ...
+    kt = [c for c in tools if c["cwd"] == str(a3env["ws"] / KT)]
+    assert [c["tool"] for c in kt] == ["cmake", "gcc-13"]
+    assert all(c["CC"] == "gcc-13" and c["CXX"] == "g++-13" for c in kt)
+    # ... and no other step: the pip calls, the prereq check, bisheng keep the shell's CC
+    others = [c for c in pip + tools if c not in kt]
+    assert others and all(c["CC"] == "cc-of-the-shell" for c in others), others
+    assert any(c.get("tool") == "gcc-13" and c["argv"] == ["--version"] for c in others)
+    bisheng = [c for c in tools if c["tool"] == "bisheng"]
+    assert len(bisheng) == 1 and bisheng[0]["cwd"] == str(a3env["ws"] / OP)
+    assert f"-I{cann}/aarch64-linux/tikcpp/tikcfw" in bisheng[0]["argv"]
+    assert "context cann: sourced " + cann + "/set_env.sh" in _log(a3env, "kt-kernel")
+
+
+def test_cann_home_from_the_environment_is_honoured(cli, a3env: dict, tmp_path: Path) -> None:
+    other = tmp_path / "elsewhere" / "cann-9.0.0"
+    _fake_cann(other, "cann-elsewhere")
+    i = a3env["args"].index(f"build.vars.cann_home={a3env['cann']}")
+    args = a3env["args"][:i - 1] + a3env["args"][i + 1:]  # the recipe's default, no --set
+    r = cli(*args, "--json", "build", "prereq", "triton", "vendor-customize",
+            env={**a3env["env"], "CANN_HOME": str(other)}, timeout=300)
+    assert r.code == 0, r
+    (triton,) = [c for c in _records(a3env["pip"]) if "triton" in c["argv"][1]]
+    assert triton["FAKE_CANN_MARKER"] == "cann-elsewhere"
+    assert triton["ASCEND_HOME_PATH"] == str(other)
+    # {cann_home} is that CANN too: the vendor went into its opp (S187)
+    assert (other / "opp/vendors/customize/bin/set_env.bash").is_file()
+    assert not (a3env["cann"] / "opp/vendors/customize").exists()
+    assert "CANN home from $CANN_HOME" in _log(a3env, "prereq")
+
+
+def test_depool_requires_the_ascendc_op_and_checks_it_before_any_step(cli, a3env: dict) -> None:
+    (a3env["cann"] / "aarch64-linux/tikcpp/tikcfw/kernel_operator.h").unlink()
+    r, doc = _build(cli, a3env, "kt-kernel", "ascendc-op")
+    assert r.code == 1
+    err = _error(doc)
+    assert "ascendc-op (required: KT_MXFP4_DEPOOL=1)" in err["message"]
+    assert "kernel_operator.h not found" in err["message"]
+    assert "\n" not in err["fix"] and "--set serve.env.KT_MXFP4_DEPOOL=0" in err["fix"]
+    assert str(a3env["cann"] / "set_env.sh") in err["fix"]
+    assert not (a3env["ws"] / "logs/build/kt-kernel.log").exists()  # nothing ran
+    # bisheng missing from the CANN shell: named the same way
+    (a3env["cann"] / "bin" / "bisheng").unlink()
+    r, doc = _build(cli, a3env, "ascendc-op")
+    assert r.code == 1
+    assert any("'bisheng' not found on the PATH of its shell" in p["message"]
+               for p in doc["data"]["problems"])
+    # serving without depool (exported, as the launcher lets it win): optional again
+    r, doc = _build(cli, a3env, "ascendc-op", env={"KT_MXFP4_DEPOOL": "0"})
+    assert r.code == 0, r
+    assert doc["data"]["data"]["steps"]["ascendc-op"]["status"] == "skipped"

@@ -505,3 +505,28 @@ def test_the_npu_recipe_markers_fail_on_a_real_x86_configure_log(ws: Path) -> No
     (msg,) = errors(result)
     assert ("expected log marker '-- Forward (CPUINFER_ARM_SVE) -> -D(LLAMA_ARM_SVE)=(OFF)$' "
             "not found") in msg
+
+
+def test_the_run_umask_holds_for_every_step_and_is_restored(ws: Path) -> None:
+    probe = ["{python}", "-c", "import os; m = os.umask(0); print('umask %04o' % m)"]
+    ctx = make_ctx(ws, [sglang_step(command=probe, expect_markers=["umask 0027"])],
+                   sets={"build.umask": "0027"})
+    before = os.umask(0o002)
+    try:
+        result = build.run(ctx)
+        after = os.umask(0o002)
+    finally:
+        os.umask(before)
+    assert result.ok, result.problems
+    assert after == 0o002  # restored once the build is over
+    assert result.data["umask"] == "0027"
+
+
+def test_platform_compiler_is_kt_kernels_alone(ws: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", "cc-of-the-shell")
+    probe = ["{python}", "-c", "import os; print('CC=' + os.environ['CC'])"]
+    ctx = make_ctx(ws, [kt_step(), sglang_step(command=probe, expect_markers=[
+        "CC=cc-of-the-shell"])], sets={"platform.cc": "gcc-13"})
+    result = build.run(ctx)
+    assert result.ok, result.problems
+    assert (ws / KT / "cc-seen.txt").read_text().split(" ", 1)[0] == "gcc-13"

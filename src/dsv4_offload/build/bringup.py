@@ -8,8 +8,14 @@ checks, each failure naming it:
 - ``umask`` (S96-97: umask 0002 makes msopgen's security check abort): the command runs
   with it, and no file it created may be group- or world-writable afterwards;
 - ``chmod_go_w`` (S182, S227, S247): ``chmod -R go-w`` of the workdir first, then checked;
+- ``context: cann`` (S48, S83, S116): the step runs in the shell the script keeps after its
+  prereq phase: ``$CANN_HOME/set_env.sh`` sourced, ASCEND_HOME_PATH (and ASCEND_TOOLKIT_HOME)
+  the CANN home, ``CANN_HOME`` from the environment honoured, ``build.vars.cann_home`` the
+  default (:func:`cann_home`, :func:`step_command`);
 - ``source_env`` (S87-91: the CANN/vendor set_env scripts read unset variables): sourced
   with nounset off, the resulting environment used by the command and the checks;
+- build ``umask`` (S96-97: the prereq phase sets it once for the whole run): set by the build
+  stage before the first step, restored after the last;
 - ``edits`` (S248-258: -ldl for sgl_kernel_npu): a line extended unless already there,
   checked by the text it must then contain;
 - ``install_run`` (S184-187, S231-233): the ``.run`` package the build produced, installed;
@@ -27,6 +33,8 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error
@@ -43,6 +51,15 @@ _PLACEHOLDER = re.compile(r"\{(python|workspace|(?:source|file|glob):[^{}]+|[A-Z
 _PIP_CONSTRAINT = "PIP_CONSTRAINT"
 
 KT_KERNEL_STEP = "kt-kernel"  # the build step that compiles kt-kernel
+CANN_HOME_VAR = "cann_home"  # the build var naming the CANN home (S48's default)
+CANN_HOME_ENV = "CANN_HOME"  # S48: `: "${CANN_HOME:=$HOME/Ascend/cann-9.0.0}"`
+SET_ENV = "set_env.sh"  # S116: `source_env "$CANN_HOME/set_env.sh"`
+# guide line 545 (appendix, method B): the AscendC header bisheng compiles the op against
+KERNEL_OPERATOR_H = "aarch64-linux/tikcpp/tikcfw/kernel_operator.h"
+# CANN 8.5 (the 910B image): the toolkit the delivery's launcher finds first and sources
+# (launch_ds4flash_npu.sh L141, L145 and L237); the 910B recipe's serve.cann_set_env
+# "{toolkit}/set_env.sh"
+CANN8_SET_ENV = "/usr/local/Ascend/ascend-toolkit/latest/set_env.sh"
 
 
 class StepFailed(Dsv4Error):
@@ -69,12 +86,16 @@ class Placeholders:
     ``{file:NAME}``, build ``vars`` and, as a whole argument, ``{glob:PATTERN}`` (the sorted
     matches in the workdir)."""
 
-    def __init__(self, recipe: Recipe, workspace: Workspace, python: str) -> None:
+    def __init__(self, recipe: Recipe, workspace: Workspace, python: str,
+                 environ: Mapping[str, str] | None = None) -> None:
         self.recipe, self.workspace = recipe, workspace
         self.values = {"python": python, "tool_python": sys.executable,
                        "workspace": str(workspace.root)}
         for key, value in recipe.build.vars.items():
             self.values[key] = os.path.expandvars(os.path.expanduser(value))
+        home = cann_home(recipe, os.environ if environ is None else environ)
+        if home is not None:  # {cann_home} is the CANN home the cann context sources
+            self.values[CANN_HOME_VAR] = home[0]
 
     def text(self, value: str) -> str:
         def sub(m: re.Match[str]) -> str:
@@ -151,7 +172,8 @@ def sourced_env(scripts: list[str], env: dict[str, str], log: Path) -> dict[str,
         if not Path(script).is_file():
             raise StepFailed(f"source_env: {script} not found",
                              "install CANN there (or the vendor this step needs: an earlier "
-                             "step installs it) or fix build.vars.cann_home")
+                             "step installs it), or export CANN_HOME=DIR (or --set "
+                             "build.vars.cann_home=DIR) naming it")
     body = "set -e; set +u; " + "".join(f'. "${i + 1}"; ' for i in range(len(scripts))) + \
         "set -u; env -0"
     proc = capture(["bash", "-c", body, "dsv4-source-env", *scripts], env=env,
@@ -162,14 +184,101 @@ def sourced_env(scripts: list[str], env: dict[str, str], log: Path) -> dict[str,
         tail = proc.stderr.strip().splitlines()[-1:] or ["no output"]
         raise StepFailed(f"workaround nounset-while-sourcing: sourcing {' '.join(scripts)} "
                          f"failed (exit {proc.returncode}): {tail[0]}",
-                         "run the script by hand in bash to see why; CANN 9.0.0 goes in "
-                         "build.vars.cann_home")
+                         "run the script by hand in bash to see why; the CANN home is "
+                         "$CANN_HOME, else build.vars.cann_home")
     out: dict[str, str] = {}
     for item in proc.stdout.split("\0"):
         key, sep, value = item.partition("=")
         if sep and key:
             out[key] = value
     return out
+
+
+# --- the cann context: the shell the delivery's script runs its phases in -------------------
+
+
+def cann_home(recipe: Recipe, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(the CANN home, where it came from), or None when the recipe names none.
+
+    A ``--set build.vars.cann_home=DIR`` wins; then ``$CANN_HOME`` exported where the build
+    runs, as the script honours it (S48); then the recipe's ``build.vars.cann_home``.
+    """
+    value = recipe.build.vars.get(CANN_HOME_VAR)
+    if value is None:
+        return None
+    keys = {item.split("=", 1)[0].removeprefix("recipe.") for item in recipe.overrides}
+    if f"build.vars.{CANN_HOME_VAR}" not in keys and environ.get(CANN_HOME_ENV):
+        return (os.path.expanduser(environ[CANN_HOME_ENV]),
+                f"${CANN_HOME_ENV} (setup_dsv4_env_from_clean_cann.sh line 48)")
+    how = ("--set build.vars.cann_home" if f"build.vars.{CANN_HOME_VAR}" in keys
+           else "build.vars.cann_home")
+    return os.path.expandvars(os.path.expanduser(value)), how
+
+
+def set_env_hint(recipe: Recipe, environ: Mapping[str, str] | None = None) -> str:
+    """The set_env.sh to source for this recipe's CANN: the CANN home's (CANN 9, S116), else
+    the 910B image's CANN 8.5 toolkit (the launcher's first candidate, L141 and L145)."""
+    home = cann_home(recipe, os.environ if environ is None else environ)
+    if home is not None:
+        return str(Path(home[0]) / SET_ENV)
+    return CANN8_SET_ENV
+
+
+def cann_env(recipe: Recipe, environ: Mapping[str, str], log: Path) -> dict[str, str]:
+    """``environ`` with the CANN home's set_env.sh sourced and ASCEND_HOME_PATH and
+    ASCEND_TOOLKIT_HOME set: what every phase of the script after prereq runs in (S83, S116)."""
+    found = cann_home(recipe, environ)
+    if found is None:
+        raise StepFailed("context cann: the recipe names no CANN home",
+                         "set build.vars.cann_home (or export CANN_HOME)")
+    home, how = found
+    script = Path(home) / SET_ENV
+    if not script.is_file():
+        raise StepFailed(f"context cann: {script} not found (CANN home from {how})",
+                         f"install CANN {recipe.platform.cann} in {home}, or export "
+                         "CANN_HOME=DIR (or --set build.vars.cann_home=DIR) naming it")
+    env = dict(environ)
+    env["ASCEND_HOME_PATH"] = home  # S83 exports it before any phase sources set_env
+    env = sourced_env([str(script)], env, log)
+    # what set_env.sh exported stays; a value it left alone (or one of another CANN the
+    # environment had) becomes this CANN home, so nothing falls back to another toolkit
+    if not env.get("ASCEND_HOME_PATH"):
+        env["ASCEND_HOME_PATH"] = home
+    if not env.get("ASCEND_TOOLKIT_HOME") or \
+            env["ASCEND_TOOLKIT_HOME"] == environ.get("ASCEND_TOOLKIT_HOME"):
+        env["ASCEND_TOOLKIT_HOME"] = env["ASCEND_HOME_PATH"]
+    note(log, f"context cann: sourced {script} (CANN home from {how}); ASCEND_HOME_PATH="
+              f"{env['ASCEND_HOME_PATH']} ASCEND_TOOLKIT_HOME={env['ASCEND_TOOLKIT_HOME']} "
+              "(setup_dsv4_env_from_clean_cann.sh lines 48, 83, 116)")
+    return env
+
+
+@dataclass
+class StepCommand:
+    """What one build step runs: its argv (placeholders filled) and its whole environment."""
+
+    argv: list[str]
+    env: dict[str, str]
+
+
+def step_command(step: BuildStep, recipe: Recipe, places: Placeholders,
+                 environ: Mapping[str, str], workdir: Path, log: Path,
+                 constraints: Path | None = None) -> StepCommand:
+    """The one way a step's argv and environment are made, in the script's order: the
+    context (``cann``: set_env.sh sourced, S116), the step's env, the compiler of kt-kernel
+    (``platform.cc``/``cxx``: S281 sets CC/CXX for that phase alone), PIP_CONSTRAINT, then the
+    step's own ``source_env`` scripts (S292-294)."""
+    env = cann_env(recipe, environ, log) if step.context == "cann" else dict(environ)
+    env.update({k: places.text(v) for k, v in step.env.items()})
+    if step.name == KT_KERNEL_STEP:
+        for var, value in (("CC", recipe.platform.cc), ("CXX", recipe.platform.cxx)):
+            if value and var not in step.env:
+                env[var] = value
+    env = constraints_env(env, constraints)
+    if step.source_env:
+        env = sourced_env([places.text(x) for x in step.source_env], env, log)
+    argv = with_constraints(places.argv(step.command, workdir), constraints)
+    return StepCommand(argv, env)
 
 
 # --- permissions: umask and chmod go-w ------------------------------------------------------

@@ -82,8 +82,11 @@ class Platform(Strict):
     cann: str = Field(description="CANN version the recipe was made for")
     image: str | None = Field(None, description="container image of the delivery, if any")
     environment: str = Field("", description="the environment the guide brings up, in words")
-    cc: str | None = Field(None, description="C compiler for the builds (default gcc)")
-    cxx: str | None = Field(None, description="C++ compiler for the builds (default g++)")
+    cc: str | None = Field(
+        None, description="C compiler of the kt-kernel step, its CC (default: gcc); the other "
+        "steps keep the environment's")
+    cxx: str | None = Field(
+        None, description="C++ compiler of the kt-kernel step, its CXX (default: g++)")
 
 
 @dataclass(frozen=True)

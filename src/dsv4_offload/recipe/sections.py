@@ -220,11 +220,25 @@ class BuildStep(Strict):
     check_import: str | None = Field(None, description="python module that must import after")
     optional: bool = Field(False, description="a failure warns instead of failing the build")
     description: str = Field("", description="a sentence for humans")
-    umask: str | None = Field(None, pattern=r"^0?[0-7]{3}$",
-                              description="the umask the command runs with, e.g. 0022")
+    umask: str | None = Field(
+        None, pattern=r"^0?[0-7]{3}$",
+        description="the umask the command runs with, e.g. 0022; afterwards no file it made "
+        "may be group- or world-writable")
     chmod_go_w: bool = Field(False, description="`chmod -R go-w` the workdir first, checked")
+    context: Literal["plain", "cann"] = Field(
+        "plain",
+        description="the shell the step runs in: `plain` = the environment `build` runs in; "
+        "`cann` = that environment with the CANN home's set_env.sh sourced first (nounset "
+        "off) and ASCEND_HOME_PATH and ASCEND_TOOLKIT_HOME set to the CANN home, which is "
+        "$CANN_HOME when exported, else `build.vars.cann_home` (a `--set` of it wins over both); "
+        "the step's env and source_env come after")
     source_env: list[str] = Field(
-        [], description="scripts sourced (nounset off) before the command and the checks")
+        [], description="more scripts sourced (nounset off) before the command and the checks, "
+        "after the context's")
+    required_when_env: dict[str, str] = Field(
+        {}, description="serve.env values (one exported where `build` runs wins, as the "
+        "launcher lets it) under which an `optional` step is required: it then fails the build "
+        "like any other, and its compiler and CANN headers are checked before the first step")
     edits: list[FileEdit] = Field(
         [], description="workaround edits of fetched files, applied (once) before the command")
     remove_first: list[RelPath] = Field(
@@ -256,6 +270,11 @@ class Build(Strict):
         {}, description="files of pinned sources, checked by sha256 before any step: {file:NAME}")
     constraints: Name | None = Field(
         None, description="a build.files entry passed as pip constraints to every step")
+    umask: str | None = Field(
+        None, pattern=r"^0?[0-7]{3}$",
+        description="the umask of the whole build run (every step, command and check), set "
+        "once before the first step and restored after the last; a step's own `umask` is "
+        "then also checked on the files its command made")
     steps: list[BuildStep] = Field(min_length=1, description="build steps, in order")
 
     @model_validator(mode="after")
@@ -263,6 +282,10 @@ class Build(Strict):
         no_duplicates([s.name for s in self.steps], "steps", "name")
         if self.constraints is not None and self.constraints not in self.files:
             raise ValueError(f"constraints '{self.constraints}' is not a build.files name")
+        cann = [s.name for s in self.steps if s.context == "cann"]
+        if cann and "cann_home" not in self.vars:
+            raise ValueError(f"step '{cann[0]}' runs in the cann context, which needs "
+                             "build.vars.cann_home (the CANN home whose set_env.sh it sources)")
         return self
 
 

@@ -5,10 +5,14 @@
    need cmake, a C compiler and the hwloc/numa headers.
    Then `patch audit` of the steps' markers: a required marker that no file of its tree
    can print (:mod:`dsv4_offload.sources.audit`) refuses the build before anything compiles.
-2. Each step runs in ``<workspace>/<workdir>`` with its env over the current one (and
-   ``CC``/``CXX`` from ``recipe.platform``), ``{python}`` replaced by the build python
-   (``{tool_python}``, ``{workspace}`` and more: see ``bringup.Placeholders``), its output in
-   ``logs/build/<step>.log``.
+   A step an enabled serve setting requires (``required_when_env``: the AscendC op with
+   KT_MXFP4_DEPOOL=1) has its compiler and CANN headers checked here, before anything runs.
+2. Each step runs in ``<workspace>/<workdir>`` with the argv and environment
+   :func:`bringup.step_command` makes (its context, e.g. ``cann``: CANN's set_env.sh sourced;
+   its env; ``CC``/``CXX`` from ``recipe.platform`` for kt-kernel), ``{python}`` replaced by
+   the build python (``{tool_python}``, ``{workspace}`` and more: see
+   ``bringup.Placeholders``), its output in ``logs/build/<step>.log``; the recipe's
+   ``build.umask`` holds for the whole run.
 3. Its log (this run's part) must match no ``forbid_markers`` entry (checked first: it
    names the cause) and every ``expect_markers`` entry. Markers are Python
    regular expressions searched line by line (``re.search``); plain text without
@@ -30,6 +34,7 @@ import re
 import shutil
 import subprocess
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -41,6 +46,7 @@ from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import capture, failure_excerpt, run_command
 from dsv4_offload.recipe import BuildStep, Recipe
+from dsv4_offload.serving.plan import ENV_KNOBS
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import Workspace, read_json
@@ -56,8 +62,8 @@ RUNTIME_STEPS = ("kt-kernel", "sglang")  # their workdirs go on the server's PYT
 _QUICK_TIMEOUT_S = 60.0
 # a word of an expected marker that did not show -> the usual reason
 MARKER_HINTS: tuple[tuple[str, str], ...] = (
-    ("Ascend", "CANN was not found by the configure: source "
-               "/usr/local/Ascend/ascend-toolkit/set_env.sh (and nnal/atb/set_env.sh) first"),
+    ("Ascend", "CANN was not found by the configure: source {set_env} (and "
+               "nnal/atb/set_env.sh) first"),
     ("DOTPROD", "dotprod was not enabled: build on the aarch64 host whose CPU has asimddp "
                 "(`dsv4-offload doctor`), not in an emulator or on x86"),
     # kt-kernel/CMakeLists.txt lines 217-234 print the -march it targets
@@ -65,7 +71,8 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
                    "+bf16 or +i8mm is one a Kunpeng-920 lacks): keep CPUINFER_ARM_SVE, "
                    "CPUINFER_ARM_BF16 and CPUINFER_ARM_I8MM OFF in the kt-kernel step's env"),
 )
-# log pattern -> the fix; first match wins, so the most specific come first
+# log pattern -> the fix; first match wins, so the most specific come first; {set_env} is the
+# recipe's CANN set_env.sh (bringup.set_env_hint)
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     # kt-kernel/CMakeLists.txt:225-234 (patched) append +sve/+bf16/+i8mm to the ARM target
     (r"ARM target: -march=\S*\+(sve|bf16|i8mm)",
@@ -103,8 +110,8 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
      "torch and torch_npu come with the CANN image: build and serve with the image's python "
      "(--python PATH)"),
     (r"(libascendcl\.so|ascendcl).*(not found|No such file)|Could NOT find (Ascend|ACL)",
-     "CANN is not in the environment: source /usr/local/Ascend/ascend-toolkit/set_env.sh "
-     "before building"),
+     "CANN is not in the environment: source {set_env} before building (the recipe's step: "
+     "context: cann)"),
     # the A3 bring-up (setup_dsv4_env_from_clean_cann.sh, "S"; guide appendix A, "G")
     (r"RT_LIMIT_TYPE_SIMT_WARP_STACK_SIZE",
      "triton-ascend 3.2.0 does not build against CANN 9.0.0 (S150-152): install "
@@ -287,26 +294,89 @@ def marker_audit(ctx: StageContext, steps: list[BuildStep], data: dict[str, Any]
     return problems  # unchecked ones (a tree not fetched) stay in data["audit"]
 
 
-def step_env(ctx: StageContext, step: BuildStep | None = None,
-             places: bringup.Placeholders | None = None) -> dict[str, str]:
+def toolchain_env(ctx: StageContext, steps: list[BuildStep]) -> dict[str, str]:
+    """The environment the preflight checks compilers in: the kt-kernel step's CC/CXX (its
+    env, else ``platform.cc``/``cxx``) over the current one, as :func:`bringup.step_command`
+    gives them to that step alone."""
     env = dict(os.environ)
-    if ctx.recipe.platform.cc:
-        env["CC"] = ctx.recipe.platform.cc
-    if ctx.recipe.platform.cxx:
-        env["CXX"] = ctx.recipe.platform.cxx
-    if step is not None:
-        env.update({k: places.text(v) if places else v for k, v in step.env.items()})
+    for step in steps:
+        if step.name == KT_KERNEL_STEP:
+            for var, value in (("CC", ctx.recipe.platform.cc), ("CXX", ctx.recipe.platform.cxx)):
+                value = step.env.get(var, value)
+                if value:
+                    env[var] = value
     return env
 
 
+def required_by(recipe: Recipe, step: BuildStep, environ: Mapping[str, str]) -> str | None:
+    """The serve setting that makes an optional step required ('KT_MXFP4_DEPOOL=1'), decided
+    as the serve plan decides it: a launcher knob exported here wins over serve.env."""
+    if not step.required_when_env:
+        return None
+    for key, want in step.required_when_env.items():
+        value = environ[key] if key in ENV_KNOBS and environ.get(key) else \
+            recipe.serve.env.get(key, environ.get(key))
+        if value != want:
+            return None
+    return ", ".join(f"{k}={v}" for k, v in step.required_when_env.items())
+
+
+def effective_steps(recipe: Recipe, steps: list[BuildStep], environ: Mapping[str, str]
+                    ) -> list[BuildStep]:
+    """``steps`` with ``optional`` off for those an enabled serve setting requires."""
+    return [s.model_copy(update={"optional": False})
+            if s.optional and required_by(recipe, s, environ) else s for s in steps]
+
+
+def required_preflight(ctx: StageContext, python: str, steps: list[BuildStep]
+                       ) -> list[Problem]:
+    """A step serving requires (the AscendC op with KT_MXFP4_DEPOOL=1) checked before the
+    first step and any download: bisheng found in its shell (CANN's set_env.sh sourced) and
+    CANN's kernel_operator.h (guide line 545) under the CANN home."""
+    problems: list[Problem] = []
+    for step in steps:
+        why = required_by(ctx.recipe, step, os.environ)
+        if why is None or "bisheng" not in _tools_named(step.command):
+            continue
+        off = "; or serve without it: --set serve.env." + \
+            next(iter(step.required_when_env)) + "=0"
+        set_env = bringup.set_env_hint(ctx.recipe)
+        places = bringup.Placeholders(ctx.recipe, ctx.workspace, python)
+        log = ctx.log_dir / "preflight.log"
+        try:
+            env = bringup.step_command(step, ctx.recipe, places, os.environ,
+                                       bringup.step_workdir(ctx.workspace, step), log).env
+        except bringup.StepFailed as exc:
+            problems.append(Problem("error", f"{step.name} (required: {why}): {exc.message}",
+                                    fix=exc.fix + off, check=step.name))
+            continue
+        if shutil.which("bisheng", path=env.get("PATH")) is None:
+            problems.append(Problem(
+                "error", f"{step.name} (required: {why}): 'bisheng' not found on the PATH of "
+                f"its shell", check=step.name,
+                fix=f"install CANN {ctx.recipe.platform.cann}'s toolkit (bisheng ships with "
+                f"it) and source {set_env}" + off))
+        home = env.get("ASCEND_TOOLKIT_HOME") or env.get("ASCEND_HOME_PATH") or ""
+        header = Path(home) / bringup.KERNEL_OPERATOR_H
+        if not home or not header.is_file():
+            problems.append(Problem(
+                "error", f"{step.name} (required: {why}): {header if home else 'the CANN home'}"
+                " not found (ASCEND_TOOLKIT_HOME " + (home or "unset") + ")", check=step.name,
+                fix=f"install CANN {ctx.recipe.platform.cann}'s toolkit with its AscendC "
+                f"headers and source {set_env}" + off))
+    return problems
+
+
 def run(ctx: StageContext) -> StageResult:
-    steps = selected_steps(ctx)
+    steps = effective_steps(ctx.recipe, selected_steps(ctx), os.environ)
     python = build_python(ctx)
-    problems = preflight(ctx, python, steps, step_env(ctx))
+    problems = preflight(ctx, python, steps, toolchain_env(ctx, steps))
     data: dict[str, Any] = {"python": python, "steps": {}}
     problems += [Problem("error", e, fix="the file comes from a pinned source",
                          check="build.files")
                  for e in bringup.check_files(ctx.recipe, ctx.workspace, python)]
+    if not any(p.severity == "error" for p in problems):
+        problems += required_preflight(ctx, python, steps)
     if any(p.severity == "error" for p in problems):
         return StageResult(Status.FAILED, "build preflight failed", data=data, problems=problems,
                            log=str(ctx.log_dir))
@@ -317,6 +387,41 @@ def run(ctx: StageContext) -> StageResult:
                            "printed by its tree", data=data, problems=problems)
     hooks_dir = _hooks_dir(ctx.workspace.tree_dir(ctx.recipe))
     previous = _previous_outputs(ctx)
+    # S96-97: the script's prereq phase sets umask 0022 once, for every phase after it
+    umask = ctx.recipe.build.umask
+    old_mask = os.umask(bringup.parse_umask(umask)) if umask else None
+    data["umask"] = umask
+    try:
+        reports = _run_steps(ctx, steps, python, hooks_dir, previous, data, problems)
+    finally:
+        if old_mask is not None:
+            os.umask(old_mask)
+    data["git_hooks"] = sorted(_hooks(hooks_dir))  # all of them, also from earlier builds
+    failed = [r for r in reports if r.status == "failed"]
+    outputs = _outputs(ctx, python, reports, previous)
+    optional = {s.name for s in effective_steps(ctx.recipe, ctx.recipe.build.steps, os.environ)
+                if s.optional}
+    not_built = [s.name for s in ctx.recipe.build.steps
+                 if s.name not in optional and s.name not in outputs["steps"]]
+    if not failed and not_built:
+        problems.append(Problem(
+            "warning", f"not built yet: {', '.join(not_built)}",
+            fix="run `dsv4-offload build` (all steps) before serving", check="steps"))
+    durations = ", ".join(f"{r.name} {r.status} {r.seconds:.0f}s" for r in reports)
+    if failed:
+        before = ", ".join(f"{r.name} {r.status}" for r in reports if r is not failed[0])
+        return StageResult(Status.FAILED, f"build step {failed[0].name} failed"
+                           + (f" (before it: {before})" if before else ""),
+                           data=data, problems=problems, log=failed[0].log)
+    status = Status.WARN if any(p.severity == "warning" for p in problems) else Status.OK
+    return StageResult(status, f"built: {durations}", data=data, problems=problems,
+                       outputs=outputs, log=str(ctx.log_dir))
+
+
+def _run_steps(ctx: StageContext, steps: list[BuildStep], python: str, hooks_dir: Path | None,
+               previous: dict[str, Any], data: dict[str, Any], problems: list[Problem]
+               ) -> list[StepReport]:
+    """The steps in order, up to the first that fails; problems and data filled in."""
     reports: list[StepReport] = []
     for step in steps:
         built_with = ((previous.get("steps") or {}).get(step.name) or {}).get("settings")
@@ -340,24 +445,7 @@ def run(ctx: StageContext) -> StageResult:
                 fix="nothing is needed for dsv4-offload (the patch stage commits with hooks "
                 f"disabled); remove them if you commit there by hand: rm {hooks_dir}/<name>",
                 check="git-hooks"))
-    data["git_hooks"] = sorted(_hooks(hooks_dir))  # all of them, also from earlier builds
-    failed = [r for r in reports if r.status == "failed"]
-    outputs = _outputs(ctx, python, reports, previous)
-    not_built = [s.name for s in ctx.recipe.build.steps
-                 if not s.optional and s.name not in outputs["steps"]]
-    if not failed and not_built:
-        problems.append(Problem(
-            "warning", f"not built yet: {', '.join(not_built)}",
-            fix="run `dsv4-offload build` (all steps) before serving", check="steps"))
-    durations = ", ".join(f"{r.name} {r.status} {r.seconds:.0f}s" for r in reports)
-    if failed:
-        before = ", ".join(f"{r.name} {r.status}" for r in reports if r is not failed[0])
-        return StageResult(Status.FAILED, f"build step {failed[0].name} failed"
-                           + (f" (before it: {before})" if before else ""),
-                           data=data, problems=problems, log=failed[0].log)
-    status = Status.WARN if any(p.severity == "warning" for p in problems) else Status.OK
-    return StageResult(status, f"built: {durations}", data=data, problems=problems,
-                       outputs=outputs, log=str(ctx.log_dir))
+    return reports
 
 
 def _previous_outputs(ctx: StageContext) -> dict[str, Any]:
@@ -390,11 +478,12 @@ def _fix_for(step: BuildStep, report: StepReport) -> str:
     return f"read the log ({report.log}), fix the cause, then `dsv4-offload build {step.name}`"
 
 
-def diagnose(text: str) -> str | None:
-    """The fix for the first known pitfall the log shows (the delivery's troubleshooting)."""
+def diagnose(text: str, set_env: str = bringup.CANN8_SET_ENV) -> str | None:
+    """The fix for the first known pitfall the log shows (the delivery's troubleshooting);
+    ``set_env`` is the CANN set_env.sh a fix names."""
     for pattern, fix in KNOWN_FAILURES:
         if re.search(pattern, text):
-            return fix
+            return fix.replace("{set_env}", set_env)
     return None
 
 
@@ -442,17 +531,17 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     places = bringup.Placeholders(ctx.recipe, ctx.workspace, python)
     constraints = (places.file_path(ctx.recipe.build.constraints)
                    if ctx.recipe.build.constraints else None)
+    set_env = bringup.set_env_hint(ctx.recipe)
     try:
-        env = bringup.constraints_env(step_env(ctx, step, places), constraints)
-        if step.source_env:
-            env = bringup.sourced_env([places.text(x) for x in step.source_env], env, log)
         if step.chmod_go_w:
             bringup.chmod_go_w(workdir, log)
         for edit in step.edits:
             bringup.apply_edit(workdir, edit, log)
         for rel in step.remove_first:
             bringup.remove_first(workdir, rel, log)
-        argv = bringup.with_constraints(places.argv(step.command, workdir), constraints)
+        made = bringup.step_command(step, ctx.recipe, places, os.environ, workdir, log,
+                                    constraints)
+        argv, env = made.argv, made.env
         _run_checks(step, "before", places, workdir, env, python, log)
     except bringup.StepFailed as exc:
         report.fix = exc.fix
@@ -463,8 +552,9 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         report.log = str(ctx.log_dir)
         report.message = f"'{absent[0]}' is not on PATH" + (
             "; skipped (optional step)" if step.optional else "")
-        report.fix = ("install CANN's toolkit and source its set_env.sh to build it"
-                      if absent[0] == "bisheng" else f"install {absent[0]}")
+        report.fix = (f"install CANN {ctx.recipe.platform.cann}'s toolkit and source "
+                      f"{set_env} to build it" if absent[0] == "bisheng"
+                      else f"install {absent[0]}")
         return report
     report.settings = settings_digest(step, argv, env, python)
     # CMake caches options such as CPUINFER_ARM_SVE: a changed setting needs a fresh configure
@@ -496,7 +586,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     report.seconds = time.monotonic() - t0
     report.hooks_added = sorted(_hooks(hooks_dir) - hooks_before)
     text = _read_from(log, offset)
-    report.hint = diagnose(text) or ""
+    report.hint = diagnose(text, set_env) or ""
     if argv and result.returncode != 0:
         excerpt = failure_excerpt(result.tail)
         tail = f": {excerpt[-1]}" if excerpt else ""
@@ -532,14 +622,15 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     for marker in step.expect_markers:
         if not _compile(marker, step, "expect_markers").search(text):
             report.hint = report.hint or next(
-                (hint for word, hint in MARKER_HINTS if word in marker), "")
+                (hint.replace("{set_env}", set_env) for word, hint in MARKER_HINTS
+                 if word in marker), "")
             return _fail(report, step, f"expected log marker '{marker}' not found "
                                        f"(see the log: {log})")
     if step.check_import:
         error = check_import(python, step.check_import, runtime_pythonpath(
             ctx.workspace, ctx.recipe), env, log)
         if error:
-            report.hint = diagnose(_read_from(log, offset)) or ""
+            report.hint = diagnose(_read_from(log, offset), set_env) or ""
             return _fail(report, step, f"`import {step.check_import}` fails: {error} "
                                        f"(see the log: {log})")
     try:
@@ -548,7 +639,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             bringup.check_installed(python, step.require_installed, constraints, env, log)
     except bringup.StepFailed as exc:
         report.fix = exc.fix
-        report.hint = diagnose(_read_from(log, offset)) or ""
+        report.hint = diagnose(_read_from(log, offset), set_env) or ""
         return _fail(report, step, f"{exc.message} (see the log: {log})")
     report.products = _products(workdir) if step.command else []
     report.status = "ok"
