@@ -30,8 +30,12 @@ from pathlib import Path
 
 ENGINE_CLIENT = "/usr/bin/docker"  # the client that came with docker.io (matches dockerd)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4-offload-tests"
+# hwloc and pkg-config are what the 910B image lacks and `container up` installs: they are
+# baked in here, because a container has no network on this machine (the test of the
+# missing-packages path uses an image without them); automake because debootstrap does not
+# resolve libltdl-dev's `automake | automaken`
 IMAGE_PACKAGES = ("python3", "python3-venv", "python3-pip", "libhwloc-dev", "libhwloc15",
-                  "pkg-config", "procps")
+                  "pkg-config", "procps", "automake")
 SUITE = "bookworm"  # the 910B image's python is 3.11, as bookworm's
 
 SHIM = r'''#!/usr/bin/env python3
