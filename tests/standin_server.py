@@ -287,7 +287,17 @@ def main() -> int:
     parser.add_argument("--hang-in-stream", type=int, default=0)
     parser.add_argument("--no-server-info", action="store_true")
     parser.add_argument("--no-startup-lines", action="store_true")
+    parser.add_argument("--report", default=None,
+                        help="write the argv and environment this process got (JSON) there")
     args, _sglang_flags = parser.parse_known_args()
+    if args.report:
+        # what a test cannot see from outside a container: the argv and environment as the
+        # server process received them
+        tmp = f"{args.report}.tmp"
+        with open(tmp, "w") as fh:
+            json.dump({"argv": sys.argv, "env": dict(os.environ),
+                       "dockerenv": os.path.exists("/.dockerenv")}, fh)
+        os.replace(tmp, args.report)
     args.chunk = args.chunk or args.chunked_prefill_size
     # sglang logs its whole ServerArgs at start-up, the api key among them
     print(f"server_args=ServerArgs(host={args.host!r}, port={args.port}, "

@@ -1,0 +1,194 @@
+"""The 910B recipe's container path against a real Docker engine, as a user runs it.
+
+A dockerd started by the test (tests/docker_engine.py: vfs storage, no iptables, an OCI
+shim that lets the delivery's `--privileged` and `--ulimit memlock=-1` start in this
+sandbox) and a small Debian image imported from debootstrap stand in for the 910B host and
+its image. The delivery's `docker run` line is unchanged; only the driver mounts point at
+stand-in files, because this machine has no Ascend driver. What is real: `container up`,
+the tool's own venv inside (installed from a wheelhouse the host fills: the container has
+no network), a build step and `serve` sent into the container by the stand-alone commands,
+a stand-in server started inside by the real launcher code, and knobs exported on the host
+read back from inside the server process.
+
+Skipped with the reason where no engine can start (not root, no docker.io); in CI (CI set)
+a missing engine is a failure, never a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import docker_engine as de
+
+TESTS = Path(__file__).parent
+IMAGE = "dsv4-test/bookworm:1"
+NAME = "dsv4_singlecard"  # the launch script's container name (line 22)
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[de.Engine]:
+    why = de.unavailable()
+    if why:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must run the real engine test: {why}")
+        pytest.skip(why)
+    root = tmp_path_factory.mktemp("engine")
+    with de.running_engine(root) as eng:
+        eng.load_image(IMAGE, de.image_tarball())
+        yield eng
+
+
+def _standin_mounts(root: Path) -> list[str]:
+    """The launch script's driver mounts (lines 46-52), each pointing at a stand-in: the
+    paths inside are the delivery's, the host side is a file or directory of the test."""
+    for d in ("sbin", "dcmi", "driver", "firmware", "queue"):
+        (root / d).mkdir(parents=True, exist_ok=True)
+    (root / "npu-smi").write_text("#!/bin/sh\necho 'npu-smi stand-in (no NPU here)'\n")
+    (root / "npu-smi").chmod(0o755)
+    (root / "ascend_install.info").write_text("Driver_Install_Path_Param=/usr/local/Ascend\n")
+    return [f"{root}/sbin:/usr/local/sbin", f"{root}/dcmi:/usr/local/dcmi",
+            f"{root}/npu-smi:/usr/local/bin/npu-smi",
+            f"{root}/driver:/usr/local/Ascend/driver/",
+            f"{root}/firmware:/usr/local/Ascend/firmware",
+            f"{root}/ascend_install.info:/etc/ascend_install.info",
+            f"{root}/queue:/var/queue_schedule"]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_the_910b_container_path_on_a_real_engine(engine: de.Engine, tmp_path: Path) -> None:
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    port = _free_port()
+    mounts = "\n".join(f"    - {m}" for m in _standin_mounts(tmp_path / "standin"))
+    server = ws / "standin_server.py"
+    shutil.copyfile(TESTS / "standin_server.py", server)
+    report = ws / "standin-report.json"
+    # the recipe a user of the 910B image writes for this machine: the image, the driver
+    # mounts (stand-ins), one build step, the stand-in as the server; in the workspace,
+    # which is the only host path the container sees
+    recipe = ws / "engine.yaml"
+    recipe.write_text(f"""extends: dsv4-flash-910b
+name: engine-910b
+runtime:
+  image: {IMAGE}
+  install_timeout: 600
+  mounts:
+{mounts}
+build:
+  steps:
+    - name: probe
+      command: [sh, -c, "echo inside=$DSV4_IN_CONTAINER; test -f /.dockerenv && echo DOCKERENV"]
+      expect_markers: [DOCKERENV]
+      log_sources: []
+    - {{name: kt-kernel, remove: true}}
+    - {{name: gguf-py, remove: true}}
+    - {{name: sglang, remove: true}}
+    - {{name: ascendc-op, remove: true}}
+serve:
+  port: {port}
+  command: [python3.11, {server}, --report, {report}, --start-delay, "0.2", "{{flags}}"]
+  readiness_timeout_s: 60
+  reserved_cores: 0        # this machine has 2 cores; the Kunpeng-920 keeps 4 aside
+  env:
+    KT_MXFP4_DEPOOL: "0"
+acceptance:
+  request_timeout_s: 10
+  throughput:
+    prompt_buckets: [16, 64]
+    new_tokens: 16
+    repeats: 2
+""")
+    # the GGUF set serve checks for (empty files: the stand-in reads none of them)
+    from dsv4_offload.recipe import load_recipe
+    from dsv4_offload.workspace.store import Workspace
+
+    loaded = load_recipe(str(recipe))
+    gguf = Workspace(ws).gguf_dir(loaded)
+    gguf.mkdir(parents=True)
+    for layer in range(loaded.conversion.layers):
+        (gguf / loaded.conversion.file_name(layer)).touch()
+    env = {**os.environ, **engine.env}
+    for key in ("DSV4_HOST_ROOT", "DSV4_RUNTIME", "DSV4_WORKSPACE", "DSV4_STAGE_PACKAGE"):
+        env.pop(key, None)
+
+    def cli(*args: str, extra: dict[str, str] | None = None,
+            timeout: float = 900) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "dsv4_offload", "-w", str(ws), "-r",
+                               str(recipe), *args], env={**env, **(extra or {})},
+                              capture_output=True, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+
+    started = time.monotonic()
+    up = cli("--json", "container", "up")
+    assert up.returncode == 0, up
+    doc = json.loads(up.stdout)["data"]
+    assert (doc["action"], doc["packages"], doc["tool"]) == ("created", "present", "installed")
+    # the delivery's flags started as they are (the shim only trims what this sandbox lacks)
+    inspect = json.loads(engine.docker("inspect", NAME).stdout)[0]["HostConfig"]
+    assert inspect["Privileged"] is True and inspect["IpcMode"] == "host"
+    assert {"Name": "memlock", "Hard": -1, "Soft": -1} in inspect["Ulimits"]
+    assert inspect["ShmSize"] == 16 * 2**30
+    # the tool runs from its own venv in the workspace; the image's python is untouched
+    venv_python = ws / ".dsv4" / "container-venv" / "bin" / "python"
+    ours = engine.docker("exec", NAME, str(venv_python), "-m", "dsv4_offload", "--version",
+                         check=False)
+    assert ours.returncode == 0, ours
+    theirs = engine.docker("exec", NAME, "python3.11", "-c", "import dsv4_offload",
+                           check=False)
+    assert theirs.returncode != 0
+    up_seconds = time.monotonic() - started
+
+    # a second `up` reuses it and reinstalls nothing
+    again = cli("--json", "container", "up")
+    assert again.returncode == 0, again
+    doc = json.loads(again.stdout)["data"]
+    assert (doc["action"], doc["tool"]) == ("reused", "present")
+
+    # the stand-alone `build` runs inside, as `run` would
+    built = cli("build")
+    assert built.returncode == 0, built
+    log = (ws / "logs" / "build" / "probe.log").read_text()
+    assert f"inside={NAME}" in log and "DOCKERENV" in log
+
+    # `serve` inside: the launcher's knobs exported here reach the server process by name
+    served = cli("serve", "--detach", extra={"CHUNKED_PREFILL_SIZE": "32768",
+                                             "KT_NUM_GPU_EXPERTS": "24"})
+    assert served.returncode == 0, served
+    got = json.loads(report.read_text())
+    assert got["dockerenv"] is True
+    argv = got["argv"]
+    assert argv[argv.index("--chunked-prefill-size") + 1] == "32768"
+    assert argv[argv.index("--kt-num-gpu-experts") + 1] == "24"
+    assert got["env"]["CHUNKED_PREFILL_SIZE"] == "32768"
+    # the delivery's `-p PORT:PORT` publishes it: the host reaches the server inside
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
+        assert answer.status == 200
+    # `accept` runs inside too, against the server there
+    accepted = cli("--json", "accept")
+    assert accepted.returncode == 0, accepted
+    result = json.loads(accepted.stdout)
+    assert result["status"] in ("ok", "warn"), result
+    record = json.loads((ws / ".dsv4" / "state.json").read_text())["stages"]["accept"]
+    assert record["status"] == "done" and record["summary"].startswith("passed:"), record
+    stopped = cli("serve", "stop")
+    assert stopped.returncode == 0, stopped
+    print(f"engine test: container up {up_seconds:.1f}s, whole flow "
+          f"{time.monotonic() - started:.1f}s")
