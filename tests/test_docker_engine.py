@@ -25,9 +25,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
 import docker_engine as de
+import pytest
 
 TESTS = Path(__file__).parent
 IMAGE = "dsv4-test/bookworm:1"
