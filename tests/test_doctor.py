@@ -355,3 +355,32 @@ def test_doctor_says_which_python_and_why(monkeypatch: pytest.MonkeyPatch,
     check = {c["name"]: c for c in result.data["checks"]}["python"]
     assert check["status"] == "ok"
     assert check["observed"].startswith(f"{sys.executable} (PYTHON_BIN:")
+
+
+def test_a_bare_910b_host_is_not_judged_on_what_only_the_image_needs() -> None:
+    """The 910B recipe builds in its image: a host with Python 3.9, no cmake, no compiler
+    and no CANN toolkit passes, and those rows say where they are checked (issue 17)."""
+    recipe, _ = load_recipe_and_series(RECIPE_910B, LOOPBACK)
+    facts = facts_of("kunpeng920-910b", recipe)
+    bare = dataclasses.replace(
+        facts, python_versions={"python3": "3.9.2"}, libraries={}, cann_version=None,
+        cann_toolkit=None, tools={k: v for k, v in facts.tools.items()
+                                  if k not in ("cmake", "gcc", "g++", "pkg-config")})
+    outside = doctor.RuntimeFacts(inside=False, probe="not probed: a captured host")
+    checks, _ = doctor.evaluate(recipe, bare, runtime=outside)
+    rows = {c.name: c for c in checks}
+    assert not [c for c in checks if c.status == doctor.FAIL], [
+        (c.name, c.observed) for c in checks if c.status == doctor.FAIL]
+    for name in ("python", "cmake", "gcc", "cann"):
+        assert rows[name].status == doctor.SKIP, rows[name]
+        assert "checked in the image lmsysorg/sglang:deepseek-v4-npu-910b" in rows[name].observed
+        assert "container exec -- doctor" in rows[name].fix
+    # inside the image (or with the build on the host) the same facts fail those rows
+    inside = doctor.RuntimeFacts(inside=True)
+    failed = {c.name for c in doctor.evaluate(recipe, bare, runtime=inside)[0]
+              if c.status == doctor.FAIL}
+    assert {"python", "cmake", "gcc", "cann"} <= failed
+    on_host, _ = load_recipe_and_series(RECIPE_910B, [*LOOPBACK, "runtime.kind=host"])
+    failed = {c.name for c in doctor.evaluate(on_host, bare, runtime=outside)[0]
+              if c.status == doctor.FAIL}
+    assert {"python", "cmake", "gcc", "cann"} <= failed

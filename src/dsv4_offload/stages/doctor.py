@@ -28,6 +28,7 @@ from dsv4_offload.core.host import (
 from dsv4_offload.core.results import Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.contexts import CONTAINER, context_of
 from dsv4_offload.workspace.store import atomic_write_json
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
@@ -590,10 +591,29 @@ def check_runtime(recipe: Recipe, facts: HostFacts, rf: RuntimeFacts) -> list[Ch
     return checks
 
 
+def image_side(recipe: Recipe, runtime: RuntimeFacts | None) -> str | None:
+    """The image whose toolchain the build uses, when that is not this machine's: the
+    recipe builds in its container (workspace/contexts.py) and this process is outside."""
+    if context_of(recipe, "build") != CONTAINER or (runtime is not None and runtime.inside):
+        return None
+    return recipe.runtime.image
+
+
+def in_image(check: Check, image: str) -> Check:
+    """A toolchain row the build needs inside ``image``, shown on the host as such: not
+    judged against this machine (a bare 910B host has no cmake and an old python)."""
+    return Check(check.name, SKIP, f"checked in the image {image}, where the build runs",
+                 check.required, "`dsv4-offload container up`, then `dsv4-offload container "
+                 "exec -- doctor` checks it there")
+
+
 def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
              binfmt: str = "absent", runtime: RuntimeFacts | None = None
              ) -> tuple[list[Check], NpuInfo | None]:
-    """All checks of the recipe's host section against these facts (pure: no probing)."""
+    """All checks of the recipe's host section against these facts (pure: no probing).
+
+    Each row is judged where its stage runs: with the build in the recipe's container, the
+    toolchain and CANN rows belong to the image and are shown as such on the host."""
     checks = check_cpu(recipe, facts)
     checks.append(check_numa(recipe, facts))
     checks += check_memory_and_disk(recipe, facts)
@@ -602,8 +622,13 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
         npu_checks, chosen = check_npu(recipe, facts, device)
         checks += npu_checks
         checks.append(check_device_nodes(recipe, facts, chosen))
-        checks.append(check_cann(recipe, facts))
-    checks += check_toolchain(recipe, facts)
+    image = image_side(recipe, runtime)
+    toolchain = check_toolchain(recipe, facts)
+    if has_npu(recipe):
+        toolchain.append(check_cann(recipe, facts))
+    if image:
+        toolchain = [c if c.name == "docker" else in_image(c, image) for c in toolchain]
+    checks += toolchain
     checks += check_cross(recipe, facts, binfmt)
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
@@ -624,10 +649,12 @@ def run(ctx: StageContext) -> StageResult:
     # it reuses these facts instead of running npu-smi and every --version a second time
     ctx.options["host_facts"] = facts
     binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
-    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt,
-                              probe_runtime(ctx.recipe, facts))
+    runtime = probe_runtime(ctx.recipe, facts)
+    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt, runtime)
     if ctx.recipe.host.npu_models:  # the launcher's choice: a python with torch_npu and sglang
-        checks.append(check_python(ctx, facts))
+        image = image_side(ctx.recipe, runtime)
+        python = check_python(ctx, facts)
+        checks.append(in_image(python, image) if image else python)
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:
