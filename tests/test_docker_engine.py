@@ -62,6 +62,12 @@ def _standin_mounts(root: Path) -> list[str]:
             f"{root}/queue:/var/queue_schedule"]
 
 
+def _sleeping(engine: de.Engine) -> bool:
+    """Whether the slow build step's `sleep 127` runs in the container."""
+    ps = engine.docker("exec", NAME, "ps", "-eo", "args", check=False)
+    return any(line.strip() == "sleep 127" for line in ps.stdout.decode().splitlines())
+
+
 def _free_port() -> int:
     import socket
 
@@ -162,6 +168,8 @@ acceptance:
     # the stand-alone `build` runs inside, as `run` would
     built = cli("build")
     assert built.returncode == 0, built
+    inner = (ws / "logs" / "container" / "build.log").read_text()
+    assert "=== exit 0" in inner and "Fatal Python error" not in inner, inner[-1500:]
     log = (ws / "logs" / "build" / "probe.log").read_text()
     assert f"inside={NAME}" in log and "DOCKERENV" in log
 
@@ -189,5 +197,35 @@ acceptance:
     assert record["status"] == "done" and record["summary"].startswith("passed:"), record
     stopped = cli("serve", "stop")
     assert stopped.returncode == 0, stopped
+    # the host process dies (SIGKILL, as a dropped SSH session or the OOM killer would):
+    # the stage it sent into the container stops with it instead of running on outside
+    # the workspace lock, and its record says so
+
+    slow = subprocess.Popen(
+        [sys.executable, "-m", "dsv4_offload", "-w", str(ws), "-r", str(recipe), "--set",
+         "build.steps[probe].command=[sh, -c, 'echo DOCKERENV; exec sleep 127']", "build"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        stdin=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not _sleeping(engine):
+        assert time.monotonic() < deadline and slow.poll() is None, "the step never started"
+        time.sleep(0.5)
+    slow.kill()
+    slow.wait(timeout=30)
+    deadline = time.monotonic() + 60
+    while _sleeping(engine):
+        assert time.monotonic() < deadline, "the step runs on in the container"
+        time.sleep(0.5)
+    deadline = time.monotonic() + 30
+    while True:
+        record = json.loads((ws / ".dsv4" / "state.json").read_text())["stages"]["build"]
+        if record["status"] != "running" or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    logs = ws / "logs"
+    assert record["status"] in ("interrupted", "failed") and "interrupted" in str(
+        record.get("error", record.get("status"))), (
+        record, (logs / "container" / "build.log").read_text()[-1500:],
+        (logs / "build" / "probe.log").read_text()[-800:])
     print(f"engine test: container up {up_seconds:.1f}s, whole flow "
           f"{time.monotonic() - started:.1f}s")

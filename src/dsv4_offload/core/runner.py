@@ -253,10 +253,12 @@ def start(
     stdout: int | IO[Any] | None = subprocess.PIPE,
     stderr: int | IO[Any] | None = subprocess.STDOUT,
     preexec_fn: Callable[[], None] | None = None,
+    stdin: int | None = subprocess.DEVNULL,
 ) -> Child:
-    """Start a long-lived child in its own session, stdin closed; failing to start raises
-    the ``OSError``. The caller reads ``child.proc.stdout`` and stops it with ``stop``."""
-    return Child(_spawn(args, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=stdout,
+    """Start a long-lived child in its own session, stdin closed (or a pipe the caller holds
+    open as a proof of life: ``stdin=subprocess.PIPE``); failing to start raises the
+    ``OSError``. The caller reads ``child.proc.stdout`` and stops it with ``stop``."""
+    return Child(_spawn(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout,
                         stderr=stderr, preexec_fn=preexec_fn))
 
 

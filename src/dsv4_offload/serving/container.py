@@ -53,7 +53,7 @@ from dsv4_offload.core.runner import (
 )
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
 from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
-from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
+from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV, Workspace
 
 if TYPE_CHECKING:
     from dsv4_offload.core.results import StageResult, Task
@@ -600,14 +600,18 @@ def crossing_names(recipe: Recipe) -> list[str]:
 
 
 def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None,
-              overrides: list[str], args: list[str], names: Iterable[str] = ()
-              ) -> list[str]:
+              overrides: list[str], args: list[str], names: Iterable[str] = (),
+              lender_pipe: bool = False) -> list[str]:
     """``docker exec`` running this tool inside on the same workspace and recipe.
 
     ``names`` cross by name (``-e NAME``): docker takes each value from the client's own
-    environment, so none is on argv (where `ps` and the log would show it).
+    environment, so none is on argv (where `ps` and the log would show it). With
+    ``lender_pipe`` the client's stdin stays open (``-i``) while this process lives: the
+    tool inside stops its stage when it reads EOF there (workspace.store, LENDER_PIPE_ENV).
     """
     argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
+    if lender_pipe:
+        argv += ["-i", "-e", f"{LENDER_PIPE_ENV}=1"]
     for name in dict.fromkeys(names):
         argv += ["-e", name]
     argv += ["-w", str(workspace.root), plan.name, tool_python(workspace), "-m", "dsv4_offload",
@@ -646,7 +650,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
         names.append(STAGE_OPTIONS_ENV)
     with ctx.workspace.lend_lock() as token:
         env[HANDOFF_ENV] = token
-        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names])
+        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names],
+                         lender_pipe=True)
         with ctx.task(f"{stage} in {plan.name}"):
             code, out = _run_capturing(
                 argv, log, env=env,
@@ -693,11 +698,15 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
         with signals_as_interrupt():
+            # stdin: a pipe held open, never written, closed only by our end (or death)
             child = start(argv, env=env, stdout=subprocess.PIPE, stderr=err,
-                          preexec_fn=die_with_parent)
+                          preexec_fn=die_with_parent, stdin=subprocess.PIPE)
             proc = child.proc
             try:
-                out, _ = proc.communicate()
+                assert proc.stdout is not None and proc.stdin is not None
+                out = proc.stdout.read()
+                proc.wait()
+                proc.stdin.close()
             except BaseException:
                 if on_interrupt is not None:
                     on_interrupt()

@@ -22,6 +22,8 @@ WORKSPACE_ENV = "DSV4_WORKSPACE"
 # a lock holder that runs a stage in another process (the container) lends it its lock:
 # the token it wrote into the lock file, passed to that process in this variable
 HANDOFF_ENV = "DSV4_LOCK_HANDOFF"
+# set for a borrower whose stdin is the lender's pipe: EOF there means the lender is gone
+LENDER_PIPE_ENV = "DSV4_LENDER_PIPE"
 STATE_SCHEMA = 1
 
 
@@ -191,6 +193,8 @@ class Workspace:
                 token = os.environ.get(HANDOFF_ENV)
                 if token and f"lent {token}\n" in content:
                     fh.close()
+                    if os.environ.get(LENDER_PIPE_ENV):
+                        _stop_when_the_lender_dies()
                     yield  # the holder waits for us with the lock in its hand
                     return
                 holder = content.strip().splitlines()[0] if content.strip() else \
@@ -272,3 +276,22 @@ def cache_root() -> Path:
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dsv4-offload"
     )
     return Path(base).expanduser().absolute()
+
+
+def _stop_when_the_lender_dies() -> None:
+    """A borrower of the lock (a stage run in the container for a host process) reads its
+    stdin, the lender's pipe; EOF means the lender died (SIGKILL, a dropped SSH session) and
+    with it the lock: interrupt this process as Ctrl-C would, so the stage stops, its children
+    are killed and its record says interrupted, instead of running on outside the lock."""
+    import signal
+    import threading
+
+    def watch() -> None:
+        # the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader would
+        # hold its lock at interpreter shutdown (a fatal error on a normal exit)
+        with contextlib.suppress(OSError):
+            while os.read(0, 65536):
+                pass
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=watch, name="lender-watch", daemon=True).start()
