@@ -173,6 +173,14 @@ acceptance:
     log = (ws / "logs" / "build" / "probe.log").read_text()
     assert f"inside={NAME}" in log and "DOCKERENV" in log
 
+    # `serve --print` runs inside too: each value as the server will see it, with its origin
+    knobs = {"CHUNKED_PREFILL_SIZE": "32768", "KT_NUM_GPU_EXPERTS": "24"}
+    printed = cli("serve", "--print", extra=knobs)
+    assert printed.returncode == 0, printed
+    assert "--chunked-prefill-size 32768" in printed.stdout, printed.stdout
+    assert "environment (CHUNKED_PREFILL_SIZE" in printed.stdout, printed.stdout
+    print("serve --print inside the container:\n" + printed.stdout)
+
     # `serve` inside: the launcher's knobs exported here reach the server process by name
     served = cli("serve", "--detach", extra={"CHUNKED_PREFILL_SIZE": "32768",
                                              "KT_NUM_GPU_EXPERTS": "24"})

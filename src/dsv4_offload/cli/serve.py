@@ -104,8 +104,10 @@ def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
     from dsv4_offload.stages import serve as serve_stage
 
     sctx = kit.load_context(ctx, "serve", options)
+    note = _print_inside(ctx, sctx)
     plan = serve_stage.make_plan(sctx, strict=False)
-    lines = [f"# warning: {w}" for w in plan.warnings]
+    lines = [f"# note: {note}"] if note else []
+    lines += [f"# warning: {w}" for w in plan.warnings]
     lines += [f"# {note}" for note in plan.notes]
     lines += [f"# {k}: {v}" for k, v in plan.derived.items() if k.endswith("_reason")]
     lines += ["# every flag and variable, with its origin:"]
@@ -113,6 +115,38 @@ def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
     lines += plan.script()
     kit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
                 lines=lines)
+
+
+def _print_inside(ctx: typer.Context, sctx: Any) -> str:
+    """With serve in the recipe's container, `--print` runs there (the knobs crossing by name
+    as they will for the server), so each value is the one the server will see; when the
+    container is not up, the host's view is printed with a note saying so."""
+    from dsv4_offload.serving.container import (
+        crossing_names,
+        exec_argv,
+        exec_attached,
+        find_container,
+        plan_container,
+    )
+    from dsv4_offload.workspace.contexts import runs_in_container
+
+    if not runs_in_container(sctx.recipe, "serve"):
+        return ""
+    plan = plan_container(sctx.recipe, sctx.workspace)
+    found = find_container(plan.name)
+    if found is None or found.state != "running":
+        return (f"computed on the host: container {plan.name} is not running, and the image's "
+                "environment (its CANN set_env, its python) may change values; "
+                "`dsv4-offload container up` and run this again to see them as the server will")
+    g = kit.options_of(ctx)
+    path = sctx.recipe.file
+    inner = [*(["--json"] if g.json else []), "serve", "--print"]
+    for flag, key in (("--device", "device"), ("--longest-prompt", "longest_prompt"),
+                      ("--python", "python")):
+        if sctx.options.get(key) is not None:
+            inner += [flag, str(sctx.options[key])]
+    kit.exit_with(exec_attached(exec_argv(plan, sctx.workspace, str(path) if path else None,
+                                          g.overrides, inner, crossing_names(sctx.recipe))))
 
 
 @serve_app.command("status")
