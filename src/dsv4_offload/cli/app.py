@@ -38,7 +38,8 @@ app = typer.Typer(
     rich_markup_mode=None,
 )
 
-AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container")
+AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container",
+                "report")
 
 
 def _version(value: bool) -> None:
