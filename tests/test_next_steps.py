@@ -59,3 +59,55 @@ def test_no_client_is_still_an_install(tmp_path: Path, monkeypatch: pytest.Monke
     with pytest.raises(Dsv4Error) as exc:
         container.docker_query(["ps"])
     assert "apt-get install docker.io" in exc.value.message
+
+
+def test_accept_with_nothing_started_says_to_serve(tmp_path: Path) -> None:
+    from conftest import HOST_RECIPE, run_cli
+    from serve_helpers import free_port
+
+    ws = tmp_path / "ws"
+    res = run_cli("--json", "-w", str(ws), "-r", str(HOST_RECIPE), "--set",
+                  "serve.host=127.0.0.1", "--set", f"serve.port={free_port()}", "accept",
+                  "--quick", env={"NO_PROXY": "127.0.0.1", "HTTPS_PROXY": "", "HTTP_PROXY": ""})
+    assert res.code == 1, res
+    assert "dsv4-offload serve --detach" in res.out, res
+    assert "hung or died" not in res.out
+
+
+def test_a_series_given_as_the_recipe_says_what_it_is(tmp_path: Path) -> None:
+    from conftest import run_cli
+
+    series = Path(__file__).parents[1] / "src/dsv4_offload/data/patches"
+    path = sorted(series.glob("*.yaml"))[0]
+    res = run_cli("-r", str(path), "status", "-w", str(tmp_path))
+    assert res.code == 2, res
+    assert "is a patch series, not a recipe" in res.err and "--set series=" in res.err, res
+
+
+def test_cann_hints_follow_the_recipe_cann(tmp_path: Path) -> None:
+    from dsv4_offload.stages.serve import toolkit_example
+
+    r910, _ = load_recipe_and_series("dsv4-flash-910b")
+    a3, _ = load_recipe_and_series("dsv4-flash-a3")
+    assert "cann-9" not in toolkit_example(r910.platform.cann)
+    assert toolkit_example(a3.platform.cann).endswith(f"cann-{a3.platform.cann}")
+    from dsv4_offload.core.host import probe_host
+
+    facts = probe_host(Path("/nonexistent-ws"), root=HOSTS / "kunpeng920-910b", tools=[])
+    old = dataclasses.replace(facts, cann_version="8.0.RC1")
+    row = doctor.check_cann(r910, old)
+    assert row.status == "fail" and "CANN 9" not in row.fix, row
+    assert "CANN 9" in doctor.check_cann(a3, old).fix
+
+
+def test_no_message_names_a_docs_path_the_wheel_lacks() -> None:
+    """docs/ is not in the wheel (package-data is data/ and native/ only)."""
+    import re
+
+    src = Path(__file__).parents[1] / "src" / "dsv4_offload"
+    said = re.compile(r"""(["'])[^"'\n]*\bdocs/[\w.-]+\.md[^"'\n]*\1""")
+    for path in src.rglob("*.py"):
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if said.search(code) and "REGENERATE" not in code and '"""' not in code:
+                pytest.fail(f"{path}:{n}: {line.strip()}")

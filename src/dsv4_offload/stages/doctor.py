@@ -398,7 +398,9 @@ def check_cann(recipe: Recipe, facts: HostFacts) -> Check:
         return Check("cann", FAIL, "no ascend_toolkit_install.info found", need, install)
     if not version_at_least(facts.cann_version, recipe.host.cann_min_version):
         return Check("cann", FAIL, f"{facts.cann_version} at {facts.cann_toolkit}", need,
-                     install + "; the A3 recipe needs CANN 9 (single-state NSA compressor)")
+                     install + (f"; this recipe needs CANN {recipe.platform.cann}"
+                                + (" (single-state NSA compressor)"
+                                   if recipe.platform.cann.startswith("9") else "")))
     return Check("cann", OK, f"{facts.cann_version} at {facts.cann_toolkit}", need)
 
 
