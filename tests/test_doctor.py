@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -272,14 +273,49 @@ def test_numa_node_ids_with_a_hole_warn(monkeypatch: pytest.MonkeyPatch, tmp_pat
     assert "NUMA node N not found" in checks["numa"]["fix"]
 
 
-def test_too_many_threads_per_numa_node_fail(tmp_path: Path) -> None:
+def test_libnuma_needs_its_header_as_the_build_does(monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """issue 21: the .so alone passed, and the kt-kernel build then stopped on numa.h."""
+    root = edited_host(tmp_path)
+    (root / "usr/include/numa.h").unlink()
+    assert any((root / "usr/lib/aarch64-linux-gnu").glob("libnuma.so*"))
+    use_host(monkeypatch, root)
+    checks = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]}
+    assert checks["libnuma"]["status"] == "fail", checks["libnuma"]
+    assert "libnuma-dev" in checks["libnuma"]["fix"]
+
+
+def test_numa_row_says_what_the_serve_plan_will_use(tmp_path: Path) -> None:
+    """issue 21: the row and the serve plan are one function (serving.rules.cpu_threads).
+    32 threads per node on 8 nodes is more than 192 CPUs: the plan caps it and serves, so the
+    row passes with the plan's figures (it used to fail, with a fix that changed nothing)."""
+    from dsv4_offload.serving.rules import cpu_threads
+
     recipe, _ = load_recipe_and_series(RECIPE_910B)
     hungry = recipe.model_copy(update={"serve": recipe.serve.model_copy(
         update={"threads_per_numa": 32})})
-    checks = {c.name: c for c in doctor.evaluate(hungry, facts_of("kunpeng920-910b", hungry))[0]}
-    assert checks["numa"].status == "fail"
-    assert "256 threads > 192 CPUs" in checks["numa"].observed
-    assert "--set serve.threads_per_numa=24" in checks["numa"].fix
+    facts = facts_of("kunpeng920-910b", hungry)
+    checks = {c.name: c for c in doctor.evaluate(hungry, facts)[0]}
+    pools, threads = cpu_threads(hungry.serve, facts.numa_nodes, facts.cores)
+    assert checks["numa"].status == "ok", checks["numa"]
+    assert f"serve: {pools} pool(s) x {threads // pools} threads ({threads} of 192 CPUs)" \
+        in checks["numa"].observed
+
+
+def test_a_host_too_small_for_the_pools_is_a_warning_with_a_fix_that_works(
+    tmp_path: Path
+) -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    # 8 nodes, 8 CPUs: nothing left for one thread per pool after the reserve
+    facts = dataclasses.replace(facts_of("kunpeng920-910b", recipe), cores=8)
+    checks = {c.name: c for c in doctor.evaluate(recipe, facts)[0]}
+    row = checks["numa"]
+    assert row.status == "warn", row  # a host fact: a warning with its consequence
+    assert "serve would stop here" in row.fix
+    fix = re.search(r"--set (serve\.reserved_cores=\d+)", row.fix)
+    assert fix, row.fix
+    fixed, _ = load_recipe_and_series(RECIPE_910B, [fix.group(1)])
+    assert {c.name: c for c in doctor.evaluate(fixed, facts)[0]}["numa"].status == "ok"
 
 
 # --- fingerprint ---------------------------------------------------------------------------

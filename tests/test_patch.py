@@ -82,7 +82,7 @@ def test_apply_status_apply_again_reset(tmp_path: Path, upstreams: Upstreams,
     assert code == 0 and doc["status"] == "skipped", doc
     assert {n: repo_state(ws / p) for n, p in (("main", MAIN), ("sub", SUB))} == before
 
-    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "sub"], capsys)
+    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "--only", "sub"], capsys)
     assert code == 0, doc
     assert git(sub, "rev-parse", "HEAD") == upstreams.commits["sub"]
     kept = doc["data"]["targets"][0]["kept"]
@@ -166,9 +166,9 @@ def test_a_dirty_tree_is_not_patched(tmp_path: Path, upstreams: Upstreams,
     assert core.read_text() == "my edit\n"
     assert git(ws / MAIN, "rev-parse", "HEAD") == upstreams.commits["main"]
     assert any("local changes" in p["message"] for p in doc["data"]["problems"])
-    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "main"], capsys)
+    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "--only", "main"], capsys)
     assert code == 1 and core.read_text() == "my edit\n"
-    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "main", "--force"], capsys)
+    code, doc = run_cli(project.cli(ws) + ["patch", "reset", "--target", "main", "--force"], capsys)
     assert code == 0
     kept = doc["data"]["targets"][0]["kept"]
     assert kept and git(ws / MAIN, "show", f"{kept[0]}:src/core.c") == "my edit"
@@ -200,7 +200,7 @@ def test_status_reports_changed_and_missing(tmp_path: Path, upstreams: Upstreams
     # apply refuses to stack on a different version, --force re-applies (old state kept)
     (ws / MAIN / "src/new.c").write_text("int added;\n")
     code, doc = run_cli(project.cli(ws) + ["patch", "apply"], capsys)
-    assert code == 1 and "patch reset sub" in doc["data"]["problems"][0]["message"]
+    assert code == 1 and "patch reset --only sub" in doc["data"]["problems"][0]["message"]
     code, doc = run_cli(project.cli(ws) + ["patch", "apply", "--force"], capsys)
     assert code == 0, doc
     assert "# v2" in (ws / SUB / "pkg/ours.py").read_text()

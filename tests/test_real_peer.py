@@ -72,6 +72,30 @@ def _run(args: list[str], log: Path, env: dict[str, str] | None = None,
         pytest.fail(f"{args[0]} failed (exit {proc.returncode}); see {log}:\n" + "\n".join(tail))
 
 
+def _built_wheel(wheels: Path) -> list[Path]:
+    return list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl"))
+
+
+def build_wheel(cache: Path) -> None:
+    """The llama-cpp-python wheel, built from PyPI's source once into <cache>/wheels, the way
+    a user keeps a wheel: `.ci/run` starts this in the background while the quick tests run
+    (`python tests/test_real_peer.py --prebuild`), the fixture reuses it."""
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    if _built_wheel(wheels):
+        return
+    env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
+    # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and could hand back a native
+    # build made earlier with other flags; a .part dir: a half-built wheel is never found
+    part = cache / "wheels.part"
+    shutil.rmtree(part, ignore_errors=True)
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w",
+          str(part), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], cache / "peer-build.log", env)
+    for wheel in part.glob("*.whl"):
+        wheel.replace(wheels / wheel.name)
+    shutil.rmtree(part, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def peer_python() -> Path:
     """A venv with llama-cpp-python[server] built from PyPI source once, then reused."""
@@ -82,16 +106,10 @@ def peer_python() -> Path:
     ready = venv / ".ready"
     if ready.is_file():
         return python
-    wheels.mkdir(parents=True, exist_ok=True)
     log = cache / "peer-build.log"
-    if not list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl")):
-        if not shutil.which("cmake"):
-            pytest.skip("cmake is needed to build llama-cpp-python (apt-get install cmake)")
-        env = {**os.environ, "CMAKE_ARGS": CMAKE_ARGS, "CMAKE_BUILD_PARALLEL_LEVEL": "2"}
-        # --no-cache-dir: pip's wheel cache ignores CMAKE_ARGS and could hand back a native
-        # build made earlier with other flags
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-cache-dir", "-w",
-              str(wheels), f"llama-cpp-python=={LLAMA_CPP_PYTHON}"], log, env)
+    if not shutil.which("cmake") and not _built_wheel(wheels):
+        pytest.skip("cmake is needed to build llama-cpp-python (apt-get install cmake)")
+    build_wheel(cache)
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)], log)
     _run([str(python), "-m", "pip", "install", "-q", "--find-links", str(wheels),
@@ -152,7 +170,9 @@ def _serve_and_accept(tmp_path: Path, tag: str, python: Path, model: Path):
             "acceptance.request_timeout_s=120",
             "acceptance.throughput.prompt_buckets=[130, 400]",
             "acceptance.throughput.new_tokens=32", "acceptance.throughput.repeats=2"]
-    base = ["--workspace", str(ws.root), *[a for s in sets for a in ("--set", s)]]
+    # the peer is a host process: the bundled recipe would send serve and accept into its image
+    base = ["--workspace", str(ws.root), "--runtime", "host",
+            *[a for s in sets for a in ("--set", s)]]
     env = {"DSV4_HOST_ROOT": str(Path(__file__).parent / "fixtures" / "hosts" / "x86-no-npu")}
     started = run_cli(*base, "serve", "--detach", env=env, timeout=300)
     assert started.code == 0, started
@@ -210,3 +230,8 @@ def test_real_peer_with_scrambled_tensors_fails_coherence(tmp_path, no_leftovers
     failed = [c["name"] for c in doc["data"]["checks"] if c["ok"] is False]
     assert any(name.startswith("probe ") for name in failed), doc["data"]["checks"]
     print(f"scrambled peer: {doc['summary']}")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--prebuild"]:
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    build_wheel(cache_dir())

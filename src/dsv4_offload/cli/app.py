@@ -32,12 +32,14 @@ app = typer.Typer(
         "The options below may also follow any command: `dsv4-offload status --json`."
     ),
     cls=GlobalOptionsGroup,
+    context_settings={"help_option_names": ["-h", "--help"]},  # inherited by every command
     no_args_is_help=True,
     pretty_exceptions_enable=False,
     rich_markup_mode=None,
 )
 
-AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container")
+AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container",
+                "report")
 
 
 def _version(value: bool) -> None:
@@ -50,11 +52,12 @@ def _version(value: bool) -> None:
 def main_options(
     ctx: typer.Context,
     workspace: str | None = typer.Option(
-        None, "--workspace", "-w", envvar="DSV4_WORKSPACE",
+        None, "--workspace", "-w", envvar="DSV4_WORKSPACE", metavar="PATH",
         help="Workspace directory (default ./dsv4-work).", show_envvar=True,
     ),
     recipe: str | None = typer.Option(
-        None, "--recipe", "-r", help="Bundled recipe name or YAML file (default dsv4-flash-910b).",
+        None, "--recipe", "-r", metavar="NAME|PATH",
+        help="Bundled recipe name or YAML file (default dsv4-flash-910b).",
         autocompletion=complete.recipes,
     ),
     overrides: list[str] = typer.Option(
@@ -195,6 +198,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.stderr.write("interrupted\n")
         sys.exit(int(ExitCode.INTERRUPTED))
     except usage_errors as exc:
+        if as_json:  # --json was asked: the usage error is a document too
+            sys.stdout.write(kit.usage_error_document(exc, command))
         exc.show()  # type: ignore[attr-defined]
         sys.exit(int(ExitCode.INVALID_INPUT))
     except exits as exc:

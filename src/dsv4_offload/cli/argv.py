@@ -13,6 +13,7 @@ test forbids that, so the global meaning is the only one).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from typer.core import TyperGroup
@@ -47,10 +48,12 @@ def _split_token(token: str) -> tuple[str, bool]:
     return token[:2], len(token) > 2
 
 
-def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
+def hoist_globals(root: Any, args: list[str], missing: list[str] | None = None
+                  ) -> tuple[list[str], list[str]]:
     """`args` with global options after subcommands moved before the first subcommand.
 
-    Returns (new args, the global option tokens found anywhere, with their values).
+    Returns (new args, the global option tokens found anywhere, with their values). A global
+    option at the end of the line without its value (`status -w`) is named in `missing`.
     """
     global_names = global_option_names(root)
     root_opts = _options(root)
@@ -85,6 +88,8 @@ def hoist_globals(root: Any, args: list[str]) -> tuple[list[str], list[str]]:
                 continue
             if name in global_names:
                 if root_opts[name] and not attached:
+                    if i + root_opts[name] > len(args) and missing is not None:
+                        missing.append(name)
                     words += args[i:i + root_opts[name]]
                     i += root_opts[name]
                 moved.extend(words)
@@ -123,11 +128,39 @@ GLOBALS_EPILOG = ("Global options (-w/--workspace, -r/--recipe, --set, --runtime
                   "-q) work here too; see `dsv4-offload --help`.")
 
 
+_LIST_ITEM = re.compile(r"^\s*(\d+\.|-|\*|\|)\s")
+
+
+def keep_lists(text: str | None) -> str | None:
+    """A help text whose paragraphs holding a list or table keep their lines (click's `\\b`
+    before such a paragraph), where click would reflow them into one block."""
+    if not text:
+        return text
+    paragraphs = text.split("\n\n")
+    out = []
+    for para in paragraphs:
+        lines = para.strip("\n").splitlines()
+        if lines and lines[0].strip() != "\b" and any(_LIST_ITEM.match(x) for x in lines):
+            para = "\b\n" + para.strip("\n")
+        out.append(para)
+    return "\n\n".join(out)
+
+
+def _no_type(ctx: Any) -> None:
+    return None
+
+
 def _add_epilog(cmd: Any) -> None:
-    """Each command's --help says that the global options apply to it."""
+    """Each command's --help says that the global options apply to it, keeps its lists as
+    written, and names what each option takes (never click's `<str>`)."""
     for sub in getattr(cmd, "commands", {}).values():
         if not sub.epilog:
             sub.epilog = GLOBALS_EPILOG
+        sub.help = keep_lists(sub.help)
+        for param in getattr(sub, "params", []):
+            if param.param_type_name == "argument" and param.metavar:
+                # typer prints `STEP... <list[str]>`: the metavar says it already
+                param.display_type_rich = _no_type
         _add_epilog(sub)
 
 
@@ -139,5 +172,8 @@ class GlobalOptionsGroup(TyperGroup):
         _add_epilog(self)
 
     def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        hoisted, _ = hoist_globals(self, list(args))
+        missing: list[str] = []
+        hoisted, _ = hoist_globals(self, list(args), missing)
+        if missing:  # else click would take the command's name for its value
+            ctx.fail(f"Option '{missing[0]}' requires an argument.")
         return super().parse_args(ctx, hoisted)

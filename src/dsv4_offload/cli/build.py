@@ -8,11 +8,12 @@ from __future__ import annotations
 import typer
 
 from dsv4_offload.cli import complete, kit
+from dsv4_offload.cli.helptext import RecipeHelpCommand
 from dsv4_offload.core.errors import InputError
 
 
 def register(app: typer.Typer) -> None:
-    app.command("build")(build)
+    app.command("build", cls=RecipeHelpCommand)(build)
     app.command("download")(download)
 
 
@@ -20,8 +21,8 @@ def build(
     ctx: typer.Context,
     steps: list[str] = typer.Argument(
         None, metavar="[STEP]...",
-        help="Steps of the recipe's build.steps to run (default all): kt-kernel, gguf-py, "
-        "sglang, ascendc-op.", autocompletion=complete.steps),
+        help="Steps of the recipe's build.steps to run (default all): {steps}.",
+        autocompletion=complete.steps),
     python: str | None = typer.Option(
         None, "--python", metavar="PATH",
         help="The interpreter to build with and for (default: the recipe's build.python); "
@@ -30,7 +31,9 @@ def build(
         False, "--clean", help="Remove each step's build/ dir first (a fresh CMake configure); "
         "done anyway when a step's command, env or python changed since its last build."),
 ) -> None:
-    """Build kt-kernel, gguf-py, sglang and the AscendC op from the patched sources.
+    """Build the patched stack: the recipe's build steps, in order.
+
+    This recipe's steps (build.steps): {steps}.
 
     \b
     1. Preflight: the build python and its version; cmake, the C compiler and the
@@ -82,7 +85,8 @@ def download(
     repair: bool = typer.Option(
         False, "--repair", help="Re-hash every file (not only new or changed ones) and "
         "fetch again the ones that do not match."),
-    max_workers: int = typer.Option(4, "--max-workers", min=1, help="Files fetched at once."),
+    max_workers: int = typer.Option(4, "--max-workers", min=1, metavar="N",
+                                    help="Files fetched at once."),
 ) -> None:
     """Download the W8A8 (ModelScope) and MXFP4 (Hugging Face) weights, verified.
 

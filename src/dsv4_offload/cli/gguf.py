@@ -25,7 +25,7 @@ def convert(
     source: str | None = typer.Option(None, "--source", metavar="DIR", help=_SOURCE_HELP),
     gguf_dir: str | None = typer.Option(None, "--gguf-dir", metavar="DIR", help=_GGUF_DIR_HELP),
     layers: str | None = typer.Option(None, "--layers", metavar="SPEC", help=_LAYERS_HELP),
-    jobs: int | None = typer.Option(None, "--jobs", "-j", min=1, help=_JOBS_HELP),
+    jobs: int | None = typer.Option(None, "--jobs", "-j", min=1, metavar="N", help=_JOBS_HELP),
     force: bool = typer.Option(False, "--force", help="Redo layers whose files are present."),
 ) -> None:
     """The native MXFP4 experts into one GGUF file per layer (a lossless bit repack).
@@ -53,7 +53,7 @@ def verify_gguf(
     source: str | None = typer.Option(None, "--source", metavar="DIR", help=_SOURCE_HELP),
     gguf_dir: str | None = typer.Option(None, "--gguf-dir", metavar="DIR", help=_GGUF_DIR_HELP),
     layers: str | None = typer.Option(None, "--layers", metavar="SPEC", help=_LAYERS_HELP),
-    jobs: int | None = typer.Option(None, "--jobs", "-j", min=1,
+    jobs: int | None = typer.Option(None, "--jobs", "-j", min=1, metavar="N",
                                     help="Files hashed in parallel (default: from the cores)."),
 ) -> None:
     """Prove the layer files: sizes and structure, digests, bit-exact against the source.

@@ -64,8 +64,12 @@ def exit_with(code: int) -> NoReturn:
 
 
 def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: Any,
-         table: Any = None, lines: list[str] | None = None) -> None:
-    """Print one result: a versioned JSON document with --json, else a rich rendering."""
+         table: Any = None, lines: list[str] | None = None, payload: bool = False) -> None:
+    """Print one result: a versioned JSON document with --json, else a rich rendering.
+
+    With -q only the result line is printed: no table, the last of `lines` (or `command:
+    status`). `payload` lines (a YAML dump, a launch script) are the result and stay.
+    """
     g = options_of(typer_ctx)
     status_text = getattr(status, "value", status)
     if g.json:
@@ -76,6 +80,9 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
     from dsv4_offload.cli.render import console
 
     out = console()
+    if g.quiet and not payload:
+        table = None
+        lines = (lines or [f"{command}: {status_text}"])[-1:]
     if table is not None:
         out.print(table)
     from rich.markup import escape
@@ -107,6 +114,16 @@ def run_stage(typer_ctx: typer.Context, stage: str, options: dict[str, Any]) -> 
         result = pipeline.dispatch_stage(ctx, stage, options, standalone=True)
     emit_result(typer_ctx, stage, result)
     exit_with(result_exit_code(result))
+
+
+def usage_error_document(exc: Any, command: str) -> str:
+    """A click usage error (unknown option, missing value...) as the --json document."""
+    message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+    cmd_ctx = getattr(exc, "ctx", None)
+    doc = {"schema": JSON_SCHEMA, "command": command, "status": "error",
+           "data": {"error": message, "exit_code": int(ExitCode.INVALID_INPUT),
+                    "usage": cmd_ctx.get_usage() if cmd_ctx is not None else ""}}
+    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
 
 
 def report_error(exc: Dsv4Error, as_json: bool, command: str) -> int:

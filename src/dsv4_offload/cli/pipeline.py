@@ -23,9 +23,10 @@ def register(app: typer.Typer) -> None:
 
 def run(
     ctx: typer.Context,
-    start: str | None = typer.Option(None, "--from", help="First stage to consider.",
+    start: str | None = typer.Option(None, "--from", metavar="STAGE",
+                                     help="First stage to consider.",
                                       autocompletion=complete.stages),
-    stop: str | None = typer.Option(None, "--to", help="Last stage to consider.",
+    stop: str | None = typer.Option(None, "--to", metavar="STAGE", help="Last stage to consider.",
                                      autocompletion=complete.stages),
     force: list[str] = typer.Option([], "--force", metavar="STAGE",
                                     help="Rerun this stage even if done.",
@@ -33,7 +34,7 @@ def run(
     dry_run: bool = typer.Option(False, "--dry-run", help="Show the plan; change nothing."),
     mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL",
                                      help="A mirror for source NAME, tried first."),
-    device: int | None = typer.Option(None, "--device", help="NPU id to serve on."),
+    device: int | None = typer.Option(None, "--device", metavar="N", help="NPU id to serve on."),
 ) -> None:
     """Run the pipeline, resuming where it stopped.
 
@@ -56,6 +57,11 @@ def run(
                 for i in items]
         if g.json:
             emit(ctx, command="run", status="ok", data={"dry_run": True, "plan": data})
+        elif g.quiet:
+            todo = [i.stage for i in items if i.action == "run"]
+            console().print(escape(f"run --dry-run: {len(todo)} to run"
+                                   + (f" ({', '.join(todo)})" if todo else "")
+                                   + f", {len(items) - len(todo)} not"), soft_wrap=True)
         else:
             for i in items:
                 console().print(f"{i.stage:12} {styled(i.action):>4}  {escape(i.reason)}")
@@ -85,11 +91,24 @@ def run(
 
 
 def status(ctx: typer.Context) -> None:
-    """Every stage: done / stale (which input changed) / failed (log) / pending."""
+    """Every stage: done / stale (which input changed) / failed (log) / pending.
+
+    It starts with the workspace, recipe and lock it read. A workspace that does not exist
+    is a warning (every stage pending), not an error: the exit code stays 0.
+    """
+    from collections import Counter
+
     from dsv4_offload import pipeline
-    from dsv4_offload.cli.render import simple_table
+    from dsv4_offload.cli.render import err_console, simple_table
 
     pctx = load_context(ctx)
+    g = options_of(ctx)
+    ws = pctx.workspace
+    read = read_from(pctx)
+    warnings = []
+    if not ws.root.is_dir():
+        warnings.append(f"workspace {ws.root} does not exist: every stage is pending "
+                        "(mistyped -w / DSV4_WORKSPACE? `run` creates it)")
     rows = pipeline.pipeline_status(pctx)
     lines = []
     for r in rows:
@@ -97,15 +116,50 @@ def status(ctx: typer.Context) -> None:
         if r.state in ("failed", "interrupted") and r.log:
             why += f" (see the log: {r.log})"
         lines.append((r.name, r.state, why, r.started or "", r.ended or ""))
+    counts = Counter(r.state for r in rows)
+    summary = "status: " + ", ".join(f"{n} {state}" for state, n in counts.items())
+    summary += f" ({ws.root})"
+    if not g.json:
+        from rich.markup import escape
+
+        for w in warnings:
+            err_console().print(f"[yellow]warning[/yellow]: {escape(w)}", soft_wrap=True)
+        if not g.quiet:
+            from dsv4_offload.cli.render import console
+
+            for key in ("workspace", "recipe", "lock"):
+                console().print(escape(f"{key + ':':10} {read[key]}"), soft_wrap=True)
     table = simple_table(("stage", "state", "why", "started", "ended"), lines)
-    emit(ctx, command="status", status="ok",
-         data={"workspace": str(pctx.workspace.root), "stages": [r.as_dict() for r in rows]},
-         table=table)
+    emit(ctx, command="status", status="warn" if warnings else "ok",
+         data={"workspace": str(ws.root), "read": read, "warnings": warnings,
+               "stages": [r.as_dict() for r in rows]},
+         table=table, lines=[summary])
+
+
+def read_from(pctx: Any) -> dict[str, str]:
+    """What `status` read: the workspace (and whether it exists), the recipe (name, file,
+    chain, --set items) and the sources lock (or that there is none)."""
+    ws = pctx.workspace
+    recipe = pctx.recipe
+    origin = recipe.origin
+    where = str(recipe.file) if recipe.file else "(bundled)"
+    extra = ""
+    if origin is not None and len(origin.chain) > 1:
+        extra += " extends " + " <- ".join(str(p) for p in origin.chain[1:])
+    if origin is not None and origin.overrides:
+        extra += " with --set " + " ".join(origin.overrides)
+    lock = ws.sources_lock_file
+    return {
+        "workspace": f"{ws.root}" + ("" if ws.root.is_dir() else " (does not exist)"),
+        "recipe": f"{recipe.name} ({where}){extra}",
+        "lock": str(lock) if lock.is_file() else f"{lock} (none yet: `fetch` writes it)",
+    }
 
 
 def doctor(
     ctx: typer.Context,
-    device: int | None = typer.Option(None, "--device", help="NPU id to check (default: idlest)."),
+    device: int | None = typer.Option(None, "--device", metavar="N",
+                                      help="NPU id to check (default: idlest)."),
 ) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
     run_stage(ctx, "doctor", {"device": device})

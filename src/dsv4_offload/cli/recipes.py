@@ -33,7 +33,7 @@ def recipe_list(ctx: typer.Context) -> None:
                      "description": r.description})
     emit(ctx, command="recipe list", status="ok", data=data,
          lines=[f"{d['name']:20} {d['npu']:5} CANN {d['cann']:7} {d['description'][:60]}"
-                for d in data])
+                for d in data], payload=True)
 
 
 def recipe_show(ctx: typer.Context) -> None:
@@ -43,12 +43,14 @@ def recipe_show(ctx: typer.Context) -> None:
     pctx = load_context(ctx)
     data = pctx.recipe.model_dump(mode="json", by_alias=True)
     emit(ctx, command="recipe show", status="ok", data=data,
-         lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()])
+         lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()],
+         payload=True)
 
 
 def recipe_validate(
     ctx: typer.Context,
-    file: str | None = typer.Argument(None, help="Recipe or series YAML (default: --recipe)."),
+    file: str | None = typer.Argument(None, metavar="[PATH]",
+                                      help="Recipe or series YAML (default: --recipe)."),
 ) -> None:
     """Validate a recipe and its series, or a series file; exit 2 with one line when invalid."""
     from dsv4_offload.recipe import (

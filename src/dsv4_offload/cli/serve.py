@@ -28,7 +28,8 @@ def serve(
                                     help="Show the exact command and environment; run nothing."),
     detach: bool = typer.Option(False, "--detach",
                                 help="Leave the server under a background supervisor."),
-    device: int | None = typer.Option(None, "--device", help="NPU id (default: the idlest "
+    device: int | None = typer.Option(None, "--device", metavar="N",
+                                      help="NPU id (default: the idlest "
                                       "healthy card npu-smi reports)."),
     longest_prompt: int | None = typer.Option(
         None, "--longest-prompt", metavar="TOKENS",
@@ -114,7 +115,7 @@ def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
     lines += [f"#   {line}" for line in plan.origin_lines()]
     lines += plan.script()
     kit.emit(ctx, command="serve", status="ok", data={"print": True, **plan.as_dict()},
-                lines=lines)
+                lines=lines, payload=True)
 
 
 def _print_inside(ctx: typer.Context, sctx: Any) -> str:
@@ -196,7 +197,8 @@ def serve_status(ctx: typer.Context) -> None:
 def serve_logs(
     ctx: typer.Context,
     follow: bool = typer.Option(False, "--follow", "-f", help="Keep printing new lines."),
-    lines: int = typer.Option(50, "--lines", "-n", min=0, help="How many last lines to show."),
+    lines: int = typer.Option(50, "--lines", "-n", min=0, metavar="N",
+                              help="How many last lines to show."),
 ) -> None:
     """The server's log: the last lines, and with -f the new ones until Ctrl-C."""
     import sys
@@ -260,11 +262,14 @@ def serve_stop(ctx: typer.Context) -> None:
 
 def accept(
     ctx: typer.Context,
-    url: str | None = typer.Option(None, "--url", help="Server to check (default: the one "
+    url: str | None = typer.Option(None, "--url", metavar="URL",
+                                   help="Server to check (default: the one "
                                    "`serve` started, else serve.host:port)."),
-    api: str | None = typer.Option(None, "--api", help="native (sglang /generate) or openai "
+    api: str | None = typer.Option(None, "--api", metavar="native|openai",
+                                   help="native (sglang /generate) or openai "
                                    "(/v1/completions, /v1/chat/completions)."),
-    model: str | None = typer.Option(None, "--model", help="Model name for an OpenAI server."),
+    model: str | None = typer.Option(None, "--model", metavar="NAME",
+                                     help="Model name for an OpenAI server."),
     probes: str | None = typer.Option(None, "--probes", metavar="FILE",
                                       help="YAML list of probes instead of the recipe's."),
     server_log: str | None = typer.Option(

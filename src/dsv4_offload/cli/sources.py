@@ -98,19 +98,32 @@ def patch_status(ctx: typer.Context) -> None:
 @patch_app.command("reset")
 def patch_reset(
     ctx: typer.Context,
-    target: str | None = typer.Argument(None, help="One target (default: every patched one).",
-                                        autocompletion=complete.targets),
+    only: list[str] = typer.Option([], "--only", "--target", metavar="TARGET[,TARGET]",
+                                   help="Only these targets (default: every patched one).",
+                                   autocompletion=complete.targets),
     force: bool = typer.Option(False, "--force",
                                help="Also reset over local edits (kept under a ref)."),
+    positional: str | None = typer.Argument(None, metavar="[TARGET]", hidden=True,
+                                            autocompletion=complete.targets),
 ) -> None:
-    """Back to the pinned commit; the patched state stays under refs/dsv4/patched-<time>."""
+    """Back to the pinned commit; the patched state stays under refs/dsv4/patched-<time>.
+
+    Name targets with --only like `patch apply` and `patch refresh` do (the older
+    `patch reset TARGET` still works, with a note).
+    """
+    from dsv4_offload.cli.render import err_console
     from dsv4_offload.sources import series as series_ops
 
+    targets = _split(only)
+    if positional:
+        err_console().print(f"note: `patch reset {positional}` is deprecated; use "
+                            f"`patch reset --only {positional}`", soft_wrap=True)
+        targets = [*(targets or []), positional]
     pctx = kit.load_context(ctx, "patch")
     log = pctx.log_dir / "reset.log"
     with pctx.workspace.lock("patch reset"):
         rows = series_ops.reset_targets(pctx.recipe, pctx.series, pctx.workspace, log,
-                                        [target] if target else None, force)
+                                        targets or None, force)
     blocked = [r for r in rows if r["result"] == "blocked"]
     table = _table(("target", "result", "kept", "detail"),
                    [(r["target"], r["result"], " ".join(r["kept"]), r.get("message", ""))

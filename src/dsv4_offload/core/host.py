@@ -448,7 +448,7 @@ def _probe_libraries(root: Path) -> dict[str, bool]:
     for name, (header, lib_glob) in LIBRARY_PROBES.items():
         has_header = any(_under(root, d).joinpath(header).is_file() for d in _INCLUDE_DIRS)
         has_lib = any(any(_under(root, d).glob(lib_glob)) for d in _LIB_DIRS)
-        found[name] = has_header or has_lib
+        found[name] = has_header and has_lib  # the build includes the one, links the other
     return found
 
 

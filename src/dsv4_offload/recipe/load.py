@@ -167,6 +167,11 @@ def load_recipe(spec: str | None = None, overrides: list[str] | None = None,
     validated as a whole; prefix-pinned sources take the full SHAs of ``locks`` (a
     workspace's sources.lock.json) when given."""
     path = resolve_recipe_path(spec)
+    if looks_like_series(str(path)):
+        raise InputError(
+            f"{path} is a patch series, not a recipe: give it to a recipe with --set "
+            f"series={path.resolve()} (or `series:` in a recipe file); `dsv4-offload recipe "
+            f"validate {path}` checks it")
     located, chain = _read_recipe(path)
     doc = apply_overrides(located, overrides, str(path)) if overrides else located
     try:

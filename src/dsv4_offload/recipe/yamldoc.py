@@ -134,7 +134,8 @@ def located_error(path: str, doc: Any, exc: ValidationError,
             at = None
     msg = err["msg"].removeprefix("Value error, ")
     if err["type"] == "extra_forbidden":
-        msg = "unknown key; remove it or check its spelling against docs/recipe-reference.md"
+        msg = ("unknown key; remove it or check its spelling against `dsv4-offload recipe "
+               "reference` (every key, with its meaning)")
     elif err["type"] == "missing":
         msg = "required field is missing; add it"
     where = located_at(path, at)

@@ -62,6 +62,38 @@ if TYPE_CHECKING:
 LABEL = "dsv4-offload.config"
 DOCKER_FIX = "install the Docker client and engine (apt-get install docker.io) and make sure " \
              "`docker ps` works for this user"
+DAEMON_FIX = "start the docker service (systemctl start docker), then check `docker ps`"
+DENIED_FIX = ("let this user reach the daemon: sudo usermod -aG docker $USER, then log in "
+              "again (or run as root); check with `docker ps`")
+_DAEMON_DOWN = re.compile(r"Cannot connect to the Docker daemon|Is the docker daemon running",
+                          re.I)
+_DENIED = re.compile(r"permission denied.*docker", re.I)
+
+
+def docker_fix(stderr: str) -> str | None:
+    """The next step for a docker client's error: a stopped daemon is started, a refused
+    socket is a group membership, not a missing install. None: not a daemon problem."""
+    if _DAEMON_DOWN.search(stderr):
+        return DAEMON_FIX
+    if _DENIED.search(stderr):
+        return DENIED_FIX
+    return None
+
+
+def daemon_problem() -> tuple[str, str] | None:
+    """(what docker said, the fix) when the client is there but its daemon cannot be used;
+    None when `docker info` answers (or there is no client: that is DOCKER_FIX's case)."""
+    try:
+        proc = capture(["docker", "info", "--format", "{{.ServerVersion}}"],
+                       timeout=_QUICK_TIMEOUT_S)
+    except FileNotFoundError:
+        return None
+    except subprocess.TimeoutExpired:
+        return (f"`docker info` did not answer in {_QUICK_TIMEOUT_S:.0f}s", DAEMON_FIX)
+    if proc.returncode == 0:
+        return None
+    said = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    return said, docker_fix(proc.stderr) or DAEMON_FIX
 # the three control nodes of the launch script (lines 31-33), each only when present
 CONTROL_NODES = ("/dev/davinci_manager", "/dev/devmm_svm", "/dev/hisi_hdc")
 _DAVINCI = re.compile(r"^davinci(\d+)$")
@@ -192,9 +224,9 @@ def docker_query(args: list[str]) -> tuple[int, str]:
     except subprocess.TimeoutExpired:
         raise Dsv4Error(f"`docker {' '.join(args[:2])}` did not answer in "
                         f"{_QUICK_TIMEOUT_S:.0f}s; is the Docker engine running?") from None
-    if proc.returncode != 0 and re.search(r"Cannot connect to the Docker daemon|permission "
-                                          r"denied.*docker", proc.stderr, re.I):
-        raise Dsv4Error(f"docker: {proc.stderr.strip().splitlines()[-1]}; {DOCKER_FIX}")
+    fix = docker_fix(proc.stderr) if proc.returncode != 0 else None
+    if fix:
+        raise Dsv4Error(f"docker: {proc.stderr.strip().splitlines()[-1]}; {fix}")
     return proc.returncode, proc.stdout
 
 

@@ -440,8 +440,9 @@ def apply_target(repo_dir: Path, source: Source, patches: list[LoadedPatch], log
     if mismatch:
         if not force:
             outcome.status = "blocked"
-            outcome.message = (f"{mismatch}; run `dsv4-offload patch reset {source.name}` then "
-                               "apply (or apply --force, which keeps the old state under a ref)")
+            outcome.message = (f"{mismatch}; run `dsv4-offload patch reset --only "
+                               f"{source.name}` then apply (or apply --force, which keeps "
+                               "the old state under a ref)")
             return outcome
         keep_and_reset(repo_dir, pinned, log, keep_dirty=False)
         records = []
@@ -660,7 +661,8 @@ def refresh_series(recipe: Recipe, series: Series, ws: Workspace,
         text = text.replace(entry.sha256, new)
         atomic_write_bytes(spath, text.encode("utf-8"))
         row.update(result="refreshed", old_sha256=entry.sha256, sha256=new,
-                   detail=f"re-apply to record it: patch reset {entry.target} && patch apply")
+                   detail=(f"re-apply to record it: patch reset --only {entry.target} "
+                           "&& patch apply"))
     return rows
 
 

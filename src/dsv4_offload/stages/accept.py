@@ -78,6 +78,11 @@ def run(ctx: StageContext) -> StageResult:
     record = sv.read_record(ctx.workspace.serve_record)
     url = ctx.option("url") or (record.url if sv.record_alive(record) and record else
                                 connect_url(ctx.recipe.serve.host, ctx.recipe.serve.port))
+    # nothing started here and no --url: the next step is to start the server, not its logs
+    dead_fix = ("the server hung or died: `dsv4-offload serve logs`"
+                if ctx.option("url") or sv.record_alive(record) else
+                "no server was started in this workspace: start one with `dsv4-offload serve "
+                "--detach`, then run accept again (or point --url at a running server)")
     probe_list, det_name = (load_probes(Path(ctx.option("probes")), acc) if ctx.option("probes")
                             else (acc.probes, acc.determinism_probe))
     log_path = _server_log(ctx, record, url)
@@ -112,8 +117,7 @@ def run(ctx: StageContext) -> StageResult:
                 checks.append(pr.check_determinism(det_name, texts[det_name], again.text))
                 task.advance()
         except pr.ServerUnreachable as exc:
-            checks.append(Check.verdict("server answers", False, str(exc),
-                                        "the server hung or died: `dsv4-offload serve logs`"))
+            checks.append(Check.verdict("server answers", False, str(exc), dead_fix))
         except ValueError as exc:
             checks.append(Check.verdict("server answers", False, str(exc),
                                         "is --api right for this server (native or openai)?"))

@@ -178,9 +178,11 @@ def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
     if "serve" in recipe.not_applicable:
         observed = f"{len(nodes)} node(s)" if nodes else "not visible"
         return Check("numa", SKIP, observed, "only serving splits threads per NUMA node")
-    per_node = recipe.serve.threads_per_numa
-    required = (f"--kt-threadpool-count = nodes, --kt-cpuinfer {per_node} x nodes "
-                "<= logical CPUs")
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.serving.rules import cpu_threads
+
+    serve = recipe.serve
+    required = "one kt-kernel subpool per NUMA node, one CPU-infer thread per pool or more"
     if not nodes:
         return Check("numa", WARN, "no /sys/devices/system/node/node*", required,
                      "NUMA is not visible (container without /sys?): serve will use one "
@@ -190,19 +192,22 @@ def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
                 else f"1 node ({nodes[0]})")
     if len(sizes) == 1:
         observed += f", {sizes.pop()} CPUs each"
-    threads = per_node * len(nodes)
-    if threads > facts.cores:
-        fitting = max(1, facts.cores // len(nodes))
-        return Check("numa", FAIL, observed + f"; {threads} threads > {facts.cores} CPUs",
-                     required, f"lower serve.threads_per_numa to {fitting} "
-                     f"(--set serve.threads_per_numa={fitting})")
+    try:
+        # the very function the serve plan sizes --kt-threadpool-count/--kt-cpuinfer with
+        pools, threads = cpu_threads(serve, nodes, facts.cores)
+    except InputError as exc:
+        # a fact of this host, not a usage error: serve cannot start until the recipe fits it
+        room = max(0, facts.cores - len(nodes))
+        return Check("numa", WARN, f"{observed}; {facts.cores} CPUs", required,
+                     f"serve would stop here ({exc.message}); e.g. `dsv4-offload --set "
+                     f"serve.reserved_cores={room} serve`")
     if list(nodes) != list(range(len(nodes))):
         return Check("numa", WARN, observed + " (ids not contiguous)", required,
                      "kt-kernel numbers its threadpools 0..N-1: with holes in the node ids it "
                      "stops with `NUMA node N not found`; check `numactl -H` and the BIOS "
                      "NUMA settings")
-    return Check("numa", OK, observed + f"; serve: {len(nodes)} pools x {per_node} threads",
-                 required)
+    return Check("numa", OK, observed + f"; serve: {pools} pool(s) x {threads // pools} "
+                 f"threads ({threads} of {facts.cores} CPUs)", required)
 
 
 def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
@@ -394,21 +399,32 @@ def check_cann(recipe: Recipe, facts: HostFacts) -> Check:
         return Check("cann", FAIL, "no ascend_toolkit_install.info found", need, install)
     if not version_at_least(facts.cann_version, recipe.host.cann_min_version):
         return Check("cann", FAIL, f"{facts.cann_version} at {facts.cann_toolkit}", need,
-                     install + "; the A3 recipe needs CANN 9 (single-state NSA compressor)")
+                     install + (f"; this recipe needs CANN {recipe.platform.cann}"
+                                + (" (single-state NSA compressor)"
+                                   if recipe.platform.cann.startswith("9") else "")))
     return Check("cann", OK, f"{facts.cann_version} at {facts.cann_toolkit}", need)
 
 
-def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
+def check_toolchain(recipe: Recipe, facts: HostFacts,
+                    daemon: tuple[str, str] | None = None) -> list[Check]:
+    """Docker (client, and its daemon when asked: `daemon` is container.daemon_problem()),
+    the build python and the compilers."""
     host = recipe.host
     checks = []
     mode = host.docker
     if mode != "unused":
         version = facts.tools.get("docker")
         status = OK if version else (FAIL if mode == "required" else WARN)
-        checks.append(Check("docker", status, version or "not found", f"docker ({mode})",
-                            "" if version else TOOL_FIXES["docker"]
-                            + (f"; the image path uses {recipe.platform.image}"
-                               if recipe.platform.image else "")))
+        fix = "" if version else TOOL_FIXES["docker"] + (
+            f"; the image path uses {recipe.platform.image}" if recipe.platform.image else "")
+        observed = version or "not found"
+        if version and daemon is not None:
+            # the client is there, its daemon is not usable: the same words container.py
+            # (which the container stages use) says, and its fix, not an install
+            said, fix = daemon
+            status = FAIL if mode == "required" else WARN
+            observed = f"{version}; daemon: {said}"
+        checks.append(Check("docker", status, observed, f"docker ({mode})", fix))
     py = recipe.build.python
     version = facts.python_versions.get(py)
     ok = version is not None and version.split(".")[:2] == host.python.split(".")[:2]
@@ -438,7 +454,8 @@ def check_toolchain(recipe: Recipe, facts: HostFacts) -> list[Check]:
     for lib in host.libraries:
         found = facts.libraries.get(lib)
         checks.append(Check(
-            f"lib{lib}", OK if found else FAIL, "found" if found else "no header or .so",
+            f"lib{lib}", OK if found else FAIL,
+            "found" if found else "header or shared library missing",
             f"lib{lib} (header and shared library)",
             "" if found else LIBRARY_FIXES.get(lib, f"install lib{lib} and its -dev package"),
         ))
@@ -540,6 +557,7 @@ class RuntimeFacts:
     inside: bool  # this process runs inside a container
     image_arch: str | None = None  # the local image's architecture; None: not present
     probe: str = "probed"  # or why the image was not asked about
+    daemon: tuple[str, str] | None = None  # the docker daemon's problem and its fix
 
 
 def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
@@ -550,6 +568,9 @@ def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     from dsv4_offload.serving import container
 
     rf = RuntimeFacts(inside=container.inside_container())
+    if (recipe.host.docker != "unused" and facts.tools.get("docker")
+            and not os.environ.get(HOST_ROOT_ENV)):
+        rf.daemon = container.daemon_problem()  # what the container stages will meet
     runtime = recipe.runtime
     if runtime.kind != "container" or not runtime.image or rf.inside:
         rf.probe = "no image runtime here"
@@ -623,7 +644,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
         checks += npu_checks
         checks.append(check_device_nodes(recipe, facts, chosen))
     image = image_side(recipe, runtime)
-    toolchain = check_toolchain(recipe, facts)
+    toolchain = check_toolchain(recipe, facts, runtime.daemon if runtime is not None else None)
     if has_npu(recipe):
         toolchain.append(check_cann(recipe, facts))
     if image:

@@ -38,6 +38,14 @@ def host_facts(ctx: StageContext) -> Any:
     return probe_host(ctx.workspace.root)
 
 
+def toolkit_example(cann: str) -> str:
+    """Where the recipe's CANN usually lives: CANN 9 installs as Ascend/cann-<version>, the
+    8.x toolkits (the 910B's 8.5) as Ascend/ascend-toolkit/latest."""
+    if cann.split(".")[0].isdigit() and int(cann.split(".")[0]) >= 9:
+        return f"/usr/local/Ascend/cann-{cann}"
+    return "/usr/local/Ascend/ascend-toolkit/latest"
+
+
 def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = None,
               strict: bool = True, mem_fraction: float | None = None) -> ServePlan:
     """The plan for this context: host facts, the CANN scripts' env, then the pure rules.
@@ -59,8 +67,9 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
         problem = (f"{scripts[0]}: CANN set_env script not found; install the CANN toolkit "
                    "or set ASCEND_TOOLKIT_HOME (see `dsv4-offload doctor`)")
     elif not scripts:
-        problem = (f"{toolkit_how}; install CANN, source its set_env.sh or export "
-                   "ASCEND_TOOLKIT_HOME=/path/to/Ascend/cann-9.0.0")
+        problem = (f"{toolkit_how}; install CANN {ctx.recipe.platform.cann}, source its "
+                   "set_env.sh or export ASCEND_TOOLKIT_HOME="
+                   f"{toolkit_example(ctx.recipe.platform.cann)}")
     if problem and strict and serve.command is None:
         raise Dsv4Error(problem)
     script_env = capture_script_env(scripts, base, cache_dir=ctx.workspace.run_dir)
