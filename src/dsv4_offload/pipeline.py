@@ -8,21 +8,25 @@ declares, and the fingerprint and outputs of the stages it needs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
+import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
+from dsv4_offload.core import procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
 from dsv4_offload.core.results import StageResult
+from dsv4_offload.core.runner import KILL_GRACE_S, interrupt_name, watch_groups
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
 
@@ -112,7 +116,7 @@ def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
 @dataclass
 class StageStatus:
     name: str
-    state: str  # done | stale | failed | interrupted | pending
+    state: str  # done | stale | failed | interrupted | running | pending
     reason: str = ""
     started: str | None = None
     ended: str | None = None
@@ -121,16 +125,6 @@ class StageStatus:
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
-
-
-def _pid_alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 NOT_APPLICABLE = "n/a"
@@ -158,12 +152,17 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         ended=record.get("ended"), log=record.get("log"), summary=record.get("summary", ""),
     )
     if base.state == "running":
-        if _pid_alive(record.get("pid")):
+        # by pid and start time: a pid since reused by another process is not our run
+        if procs.alive(record.get("pid"), record.get("pid_start_time")):
             base.reason = f"running (pid {record.get('pid')})"
             return base
-        base.state, base.reason = "interrupted", "the process running it was stopped; rerun it"
+        base.state, base.reason = "interrupted", "the process running it was killed; rerun it"
+        left = leftover_processes(ctx.workspace, name=stage.name)
+        if left:
+            base.reason += (f" ({len(left)} of its processes still run: pids "
+                            f"{', '.join(map(str, left[:5]))}; the next run stops them)")
         return base
-    if base.state == "failed":
+    if base.state in ("failed", "interrupted"):
         base.reason = record.get("error", "")
         return base
     current = fingerprint(ctx, stage, state, memo)
@@ -200,15 +199,23 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         )
     sub = ctx.for_stage(name, options)
     ws = ctx.workspace
+    sweep_leftovers(ws)
     started = now_iso()
     t0 = time.monotonic()
+    me = procs.identity()
     # a running record replaces any earlier 'done': a killed rerun must not look finished
-    ws.write_stage_record(name, {"status": "running", "pid": os.getpid(), "started": started,
+    ws.write_stage_record(name, {"status": "running", "pid": me.pid,
+                                 "pid_start_time": me.start_time, "started": started,
                                  "log": str(sub.log_dir)})
     try:
-        result: StageResult = module.run(sub)
-    except KeyboardInterrupt:
-        _record_failure(ws, name, started, t0, "interrupted by Ctrl-C", str(sub.log_dir))
+        with _groups_noted(ws, name, me):
+            result: StageResult = module.run(sub)
+    except KeyboardInterrupt as exc:
+        how = interrupt_name(exc)
+        ws.write_stage_record(name, {
+            "status": "interrupted", "signal": how, "started": started, "ended": now_iso(),
+            "seconds": round(time.monotonic() - t0, 3), "error": f"interrupted by {how}",
+            "log": str(sub.log_dir)})
         raise
     except Dsv4Error as exc:
         _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
@@ -245,6 +252,103 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         "series_digest": model_digest(ctx.series),
     })
     return result
+
+
+# --- the process groups of a running stage --------------------------------------------------
+# Each child a stage starts leads its own process group (core/runner). They are noted in
+# run/groups-<stage> (the owner's pid and start time first) while the stage runs, so the
+# groups of a run killed outright (SIGKILL: no cleanup ran) are stopped by the next one.
+
+
+def _groups_file(ws: Any, name: str) -> Any:
+    return ws.run_dir / f"groups-{name}"
+
+
+@contextlib.contextmanager
+def _groups_noted(ws: Any, name: str, owner: procs.Identity) -> Iterator[None]:
+    path = _groups_file(ws, name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n")
+
+    def note(pgid: int) -> None:
+        with open(path, "a") as fh:
+            fh.write(f"group {pgid} {procs.start_time(pgid)}\n")
+
+    try:
+        with watch_groups(note):
+            yield
+    finally:  # every group was stopped on the way out (the runner's rule)
+        path.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            path.parent.rmdir()  # only when empty: nothing of ours is left
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").replace(" ", "")
+    except OSError:
+        return "-"
+
+
+def _read_groups(path: Any) -> tuple[tuple[int, int | None], list[tuple[int, int | None]]]:
+    """(owner pid, start), [(pgid, leader start)]; no groups when the owner ran in another
+    pid namespace (the container: its pids mean nothing here)."""
+    owner: tuple[int, int | None] = (0, None)
+    groups = []
+    for line in path.read_text().splitlines():
+        parts = line.split()
+        if len(parts) < 3 or not parts[1].isdigit():
+            continue
+        when = int(parts[2]) if parts[2].isdigit() else None
+        if parts[0] == "owner":
+            if parts[3:] != [_pid_namespace()]:
+                return (os.getpid(), procs.start_time(os.getpid())), []  # not ours to judge
+            owner = (int(parts[1]), when)
+        else:
+            groups.append((int(parts[1]), when))
+    return owner, groups
+
+
+def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
+    """Processes still running from stages whose run was killed outright."""
+    found: list[int] = []
+    for path in sorted(ws.run_dir.glob(f"groups-{name or '*'}")):
+        with contextlib.suppress(OSError):
+            owner, groups = _read_groups(path)
+            if procs.alive(*owner):
+                continue
+            for pgid, since in groups:
+                if since is not None:  # a group whose leader's start is unknown is not ours
+                    found += procs.group_members(pgid, since)
+    return found
+
+
+def sweep_leftovers(ws: Any) -> list[int]:
+    """Stop what is left of stages whose run was killed outright (TERM, then KILL)."""
+    stopped: list[int] = []
+    for path in sorted(ws.run_dir.glob("groups-*")):
+        try:
+            owner, groups = _read_groups(path)
+        except OSError:
+            continue
+        if procs.alive(*owner):
+            continue
+        for pgid, since in groups:
+            if since is None:
+                continue
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                members = procs.group_members(pgid, since)
+                for pid in members:
+                    with contextlib.suppress(OSError):
+                        os.kill(pid, sig)
+                stopped += members
+                deadline = time.monotonic() + KILL_GRACE_S
+                while procs.group_members(pgid, since) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+        path.unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        ws.run_dir.rmdir()  # only when empty
+    return sorted(set(stopped))
 
 
 def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None

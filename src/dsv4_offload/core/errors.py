@@ -11,7 +11,9 @@ class ExitCode(IntEnum):
     INVALID_INPUT = 2  # a recipe, series, option or input file is malformed
     LOCKED = 3  # another run holds the workspace lock
     NOT_IMPLEMENTED = 4  # a stage this version cannot run yet
-    INTERRUPTED = 130  # Ctrl-C
+    HANGUP = 129  # SIGHUP (the terminal or SSH session went away): handled like Ctrl-C
+    INTERRUPTED = 130  # Ctrl-C (SIGINT)
+    TERMINATED = 143  # SIGTERM (kill, a scheduler, systemd): handled like Ctrl-C
 
 
 class Dsv4Error(Exception):
