@@ -40,12 +40,14 @@ def make(name: str):  # type: ignore[no-untyped-def]
             from dsv4_offload.core.runner import run_command
 
             pids = root / f"{name}.pids"
+            # both carry the pids file's path in their command line (tests find them by it)
             script = ("import os, subprocess, sys, time\n"
                       "g = subprocess.Popen([sys.executable, '-c',"
-                      " 'import time; time.sleep(600)'])\n"
-                      f"open({str(pids)!r}, 'w').write(f'{{os.getpid()}} {{g.pid}}\\n')\n"
+                      " 'import time; time.sleep(600)', sys.argv[1]])\n"
+                      "open(sys.argv[1], 'w').write(f'{os.getpid()} {g.pid}\\n')\n"
                       "time.sleep(600)\n")
-            run_command([sys.executable, "-c", script], log=ctx.log_dir / "children.log")
+            run_command([sys.executable, "-c", script, str(pids)],
+                        log=ctx.log_dir / "children.log")
         if behave == "interrupt":
             raise KeyboardInterrupt
         if behave == "raise":
