@@ -117,28 +117,57 @@ def test_term_or_hup_during_a_stage_is_ctrl_c(tmp_path: Path, fake_stages_env, n
     assert _states(ws, fake_stages_env)["accept"]["state"] == "done"
 
 
-def test_sigkill_during_a_stage_leaves_nothing_after_the_rerun(tmp_path: Path, fake_stages_env,
+def test_sigkill_during_a_stage_leaves_nothing(tmp_path: Path, fake_stages_env,
                                                                no_leftovers) -> None:
     ws = tmp_path / "ws"
     proc, (child, grandchild) = _long_convert(ws, fake_stages_env)
     proc.send_signal(signal.SIGKILL)
     code, _ = _finish(proc)
     assert code == -signal.SIGKILL
-    # the runner's child dies with the CLI (parent-death signal), at once
+    # the runner's child dies with the CLI (parent-death signal), at once; its grandchild
+    # (a compiler under the step's shell) is stopped by the stage's sentinel, which sees
+    # the CLI's end of its pipe close
     _wait_for(lambda: not procs.alive(child), "the child's death", timeout=10)
+    _wait_for(lambda: not procs.alive(grandchild), "the grandchild's death", timeout=15)
+    assert _gone(no_leftovers) == []
     st = _states(ws, fake_stages_env)
     assert st["convert"]["state"] == "interrupted"
     assert "killed" in st["convert"]["reason"]
-    # its grandchild (a compiler under the step's shell) only the next run can stop: named
-    if procs.alive(grandchild):
-        assert f"pids {grandchild}" in st["convert"]["reason"]
     (ws / "behave" / "convert").unlink()
     res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
     assert res.code == 0, res
-    assert not procs.alive(grandchild)
     assert _gone(no_leftovers, 0) == []
     assert not (ws / ".dsv4" / "run").exists()  # no group notes left behind
     assert _states(ws, fake_stages_env)["convert"]["state"] == "done"
+
+
+def test_the_next_run_sweeps_what_a_killed_run_left(tmp_path: Path, fake_stages_env,
+                                                    no_leftovers) -> None:
+    """Without the sentinel (it was killed too, or the machine's pid namespace), the notes
+    of the killed run name its groups: status lists what still runs, the next run stops it."""
+    ws = tmp_path / "ws"
+    assert run_cli(*HOST, "-w", str(ws), "run", "--to", "download", env=fake_stages_env).code == 0
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)",
+                                str(tmp_path)], start_new_session=True)
+    try:
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        notes = procs.GroupNotes(ws / ".dsv4" / "run" / "groups-convert")
+        notes.begin(procs.Identity(dead.pid, 1))
+        notes.note(sleeper.pid)
+        state = json.loads((ws / ".dsv4" / "state.json").read_text())
+        state["stages"]["convert"] = {"status": "running", "pid": dead.pid,
+                                      "pid_start_time": 1, "started": "x"}
+        (ws / ".dsv4" / "state.json").write_text(json.dumps(state))
+        st = _states(ws, fake_stages_env)["convert"]
+        assert st["state"] == "interrupted" and f"pids {sleeper.pid}" in st["reason"], st
+        res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
+        assert res.code == 0, res
+        assert sleeper.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if sleeper.poll() is None:
+            sleeper.kill()
+            sleeper.wait()
 
 
 def test_a_running_record_whose_pid_is_reused_is_interrupted(tmp_path: Path,

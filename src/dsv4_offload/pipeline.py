@@ -13,7 +13,7 @@ import hashlib
 import importlib
 import json
 import os
-import signal
+import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -26,7 +26,12 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
 from dsv4_offload.core.results import StageResult
-from dsv4_offload.core.runner import KILL_GRACE_S, interrupt_name, watch_groups
+from dsv4_offload.core.runner import (
+    KILL_GRACE_S,
+    interrupt_name,
+    start_sentinel,
+    watch_groups,
+)
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
 
@@ -256,8 +261,9 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
 
 # --- the process groups of a running stage --------------------------------------------------
 # Each child a stage starts leads its own process group (core/runner). They are noted in
-# run/groups-<stage> (the owner's pid and start time first) while the stage runs, so the
-# groups of a run killed outright (SIGKILL: no cleanup ran) are stopped by the next one.
+# run/groups-<stage> (core/procs.GroupNotes) while the stage runs; a sentinel process that
+# outlives us stops them if we die without cleaning up (SIGKILL), and the next run sweeps
+# whatever is left all the same.
 
 
 def _groups_file(ws: Any, name: str) -> Any:
@@ -266,60 +272,26 @@ def _groups_file(ws: Any, name: str) -> Any:
 
 @contextlib.contextmanager
 def _groups_noted(ws: Any, name: str, owner: procs.Identity) -> Iterator[None]:
-    path = _groups_file(ws, name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n")
-
-    def note(pgid: int) -> None:
-        with open(path, "a") as fh:
-            fh.write(f"group {pgid} {procs.start_time(pgid)}\n")
-
+    notes = procs.GroupNotes(_groups_file(ws, name))
+    notes.begin(owner)
+    sentinel = start_sentinel([sys.executable, "-m", "dsv4_offload.core.procs", "sweep",
+                               str(notes.path)])
     try:
-        with watch_groups(note):
+        with watch_groups(notes.note):
             yield
     finally:  # every group was stopped on the way out (the runner's rule)
-        path.unlink(missing_ok=True)
+        notes.path.unlink(missing_ok=True)
+        if sentinel is not None:
+            sentinel.release()
         with contextlib.suppress(OSError):
-            path.parent.rmdir()  # only when empty: nothing of ours is left
-
-
-def _pid_namespace() -> str:
-    try:
-        return os.readlink("/proc/self/ns/pid").replace(" ", "")
-    except OSError:
-        return "-"
-
-
-def _read_groups(path: Any) -> tuple[tuple[int, int | None], list[tuple[int, int | None]]]:
-    """(owner pid, start), [(pgid, leader start)]; no groups when the owner ran in another
-    pid namespace (the container: its pids mean nothing here)."""
-    owner: tuple[int, int | None] = (0, None)
-    groups = []
-    for line in path.read_text().splitlines():
-        parts = line.split()
-        if len(parts) < 3 or not parts[1].isdigit():
-            continue
-        when = int(parts[2]) if parts[2].isdigit() else None
-        if parts[0] == "owner":
-            if parts[3:] != [_pid_namespace()]:
-                return (os.getpid(), procs.start_time(os.getpid())), []  # not ours to judge
-            owner = (int(parts[1]), when)
-        else:
-            groups.append((int(parts[1]), when))
-    return owner, groups
+            notes.path.parent.rmdir()  # only when empty: nothing of ours is left
 
 
 def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
     """Processes still running from stages whose run was killed outright."""
     found: list[int] = []
     for path in sorted(ws.run_dir.glob(f"groups-{name or '*'}")):
-        with contextlib.suppress(OSError):
-            owner, groups = _read_groups(path)
-            if procs.alive(*owner):
-                continue
-            for pgid, since in groups:
-                if since is not None:  # a group whose leader's start is unknown is not ours
-                    found += procs.group_members(pgid, since)
+        found += procs.GroupNotes(path).leftovers()
     return found
 
 
@@ -327,25 +299,7 @@ def sweep_leftovers(ws: Any) -> list[int]:
     """Stop what is left of stages whose run was killed outright (TERM, then KILL)."""
     stopped: list[int] = []
     for path in sorted(ws.run_dir.glob("groups-*")):
-        try:
-            owner, groups = _read_groups(path)
-        except OSError:
-            continue
-        if procs.alive(*owner):
-            continue
-        for pgid, since in groups:
-            if since is None:
-                continue
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                members = procs.group_members(pgid, since)
-                for pid in members:
-                    with contextlib.suppress(OSError):
-                        os.kill(pid, sig)
-                stopped += members
-                deadline = time.monotonic() + KILL_GRACE_S
-                while procs.group_members(pgid, since) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-        path.unlink(missing_ok=True)
+        stopped += procs.GroupNotes(path).sweep(KILL_GRACE_S)
     with contextlib.suppress(OSError):
         ws.run_dir.rmdir()  # only when empty
     return sorted(set(stopped))

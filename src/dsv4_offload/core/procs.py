@@ -8,7 +8,11 @@ the start time is unknown and the checks fall back to the pid.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,3 +130,106 @@ def group_members(pgid: int, since: int | None = None) -> list[int]:
             continue
         found.append(int(entry.name))
     return found
+
+
+# --- the process groups of a running stage ----------------------------------------------------
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").replace(" ", "")
+    except OSError:
+        return "-"
+
+
+@dataclass(frozen=True)
+class GroupNotes:
+    """A file naming its owner (pid, start time, pid namespace) and the process groups it
+    started (leader pid, start time), so that what a killed owner left behind can be found
+    and stopped: by the owner's sentinel, or by the next run."""
+
+    path: Path
+
+    def begin(self, owner: Identity) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n")
+
+    def note(self, pgid: int) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(f"group {pgid} {start_time(pgid)}\n")
+
+    def read(self) -> tuple[tuple[int, int | None], list[tuple[int, int]]] | None:
+        """((owner pid, start), [(pgid, leader start)]), or None: no file, or an owner in
+        another pid namespace (the container: its pids mean nothing here)."""
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            return None
+        owner: tuple[int, int | None] = (0, None)
+        groups = []
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 3 or not parts[1].isdigit():
+                continue
+            when = int(parts[2]) if parts[2].isdigit() else None
+            if parts[0] == "owner":
+                if parts[3:] != [_pid_namespace()]:
+                    return None
+                owner = (int(parts[1]), when)
+            elif when is not None:  # a group whose leader's start is unknown is not ours
+                groups.append((int(parts[1]), when))
+        return owner, groups
+
+    def leftovers(self) -> list[int]:
+        """Live processes of the noted groups, once the owner is gone."""
+        read = self.read()
+        if read is None or alive(*read[0]):
+            return []
+        return [pid for pgid, since in read[1] for pid in group_members(pgid, since)]
+
+    def sweep(self, grace: float) -> list[int]:
+        """Once the owner is gone: SIGTERM the noted groups' members, SIGKILL after
+        ``grace`` seconds, and remove the file. The pids signalled."""
+        read = self.read()
+        if read is None or alive(*read[0]):
+            return []
+        stopped: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            members = [(pid, pgid, since) for pgid, since in read[1]
+                       for pid in group_members(pgid, since)]
+            for pid, _pgid, _since in members:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            stopped += [pid for pid, _, _ in members]
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(
+                    group_members(pgid, since) for pgid, since in read[1]):
+                time.sleep(0.05)
+        self.path.unlink(missing_ok=True)
+        return sorted(set(stopped))
+
+
+def _sentinel(path: str) -> int:
+    """``python -m dsv4_offload.core.procs sweep FILE``, its stdin a pipe from the owner:
+    at EOF (the owner exited, however it did) sweep what the owner left (nothing when it
+    cleaned up: the file is gone)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # the owner's group may be signalled: not us
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass
+    notes = GroupNotes(Path(path))
+    read = notes.read()
+    if read is not None:
+        deadline = time.monotonic() + 5  # the owner, just dead, may be a zombie a moment
+        while alive(*read[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        notes.sweep(5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["sweep"] and len(sys.argv) == 3:
+        sys.exit(_sentinel(sys.argv[2]))
+    sys.stderr.write("usage: python -m dsv4_offload.core.procs sweep FILE\n")
+    sys.exit(2)

@@ -294,6 +294,41 @@ def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | 
     return proc
 
 
+class Sentinel:
+    """A child that outlives us, reading a pipe only we hold: EOF tells it we are gone."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], write_fd: int) -> None:
+        self.proc = proc
+        self._fd: int | None = write_fd
+
+    def release(self, timeout: float = 5.0) -> None:
+        """Close our end (the sentinel sees EOF and, finding nothing left, exits); reap it."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc, 1.0)
+
+
+def start_sentinel(args: list[str]) -> Sentinel | None:
+    """Start ``args`` to outlive us, its stdin the read end of a pipe whose write end only
+    this process holds (never inherited): when we exit, by any signal SIGKILL included, it
+    reads EOF and can clean up after us. None when it cannot be started."""
+    read_fd, write_fd = os.pipe()  # both non-inheritable: no other child holds them
+    try:
+        proc = _spawn(args, cwd=None, env=None, stdin=read_fd, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL, outlive=True)
+    except OSError:
+        os.close(write_fd)
+        return None
+    finally:
+        os.close(read_fd)
+    return Sentinel(proc, write_fd)
+
+
 _group_watchers: list[Callable[[int], None]] = []
 
 
