@@ -239,6 +239,10 @@ class ServerProcess:
                     with contextlib.suppress(Exception):  # a display error must not stop the copy
                         self.on_line(line)
 
+    def masked(self, argv: Any) -> list[str]:
+        """``argv`` (the server's command line from /proc) with the API key masked."""
+        return [a.replace(self._secret, "***") if self._secret else a for a in argv]
+
     @property
     def pid(self) -> int:
         assert self.proc is not None
@@ -498,7 +502,7 @@ def supervise(spec: dict[str, Any]) -> int:
     record = ServeRecord(os.getpid(), server.pid, spec["url"], spec["log"], spec["argv"],
                          now_iso(), "running", None, spec.get("kt_num_gpu_experts"),
                          spec.get("extra", {}), server_start_time=server_id.start_time,
-                         server_cmdline=list(server_id.cmdline),
+                         server_cmdline=server.masked(server_id.cmdline),
                          supervisor_start_time=me.start_time)
     write_record(record_path, record)
     while server.poll() is None and not stopping.is_set():
