@@ -55,13 +55,18 @@ def _start(args: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 
 
 def _finish(proc: subprocess.Popen[str]) -> tuple[int, str]:
+    code, _, err = _finish_out(proc)
+    return code, err
+
+
+def _finish_out(proc: subprocess.Popen[str]) -> tuple[int, str, str]:
     try:
-        _, err = proc.communicate(timeout=WAIT_S)
+        out, err = proc.communicate(timeout=WAIT_S)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, err
+    return proc.returncode, out, err
 
 
 def _states(ws: Path, env: dict[str, str]) -> dict[str, dict]:
@@ -77,12 +82,13 @@ def _record(ws: Path, stage: str) -> dict:
 # --- a long stage ---------------------------------------------------------------------------
 
 
-def _long_convert(ws: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], list[int]]:
+def _long_convert(ws: Path, env: dict[str, str], *extra: str
+                  ) -> tuple[subprocess.Popen[str], list[int]]:
     """`run` with convert running a child that started a grandchild (as a build step's shell
     and its compiler); the CLI and the two pids."""
     (ws / "behave").mkdir(parents=True)
     (ws / "behave" / "convert").write_text("children")
-    proc = _start([*HOST, "-w", str(ws), "run"], env)
+    proc = _start([*HOST, "-w", str(ws), *extra, "run"], env)
     pids_file = ws / "convert.pids"
     _wait_for(lambda: pids_file.exists() and pids_file.read_text().endswith("\n"),
               "convert's children")
@@ -115,6 +121,20 @@ def test_term_or_hup_during_a_stage_is_ctrl_c(tmp_path: Path, fake_stages_env, n
     ran = (ws / "ran.log").read_text().split()
     assert ran[ran.index("convert") + 1:][:1] == ["convert"]  # nothing before it again
     assert _states(ws, fake_stages_env)["accept"]["state"] == "done"
+
+
+def test_a_json_run_says_it_was_interrupted(tmp_path: Path, fake_stages_env,
+                                            no_leftovers) -> None:
+    """`nohup dsv4-offload --json run > log.json`: the document says how it ended."""
+    ws = tmp_path / "ws"
+    proc, _ = _long_convert(ws, fake_stages_env, "--json")
+    proc.send_signal(signal.SIGHUP)
+    code, out, err = _finish_out(proc)
+    assert code == 129, err
+    doc = json.loads(out)
+    assert doc["status"] == "interrupted" and doc["command"] == "run"
+    assert doc["data"] == {"signal": "SIGHUP", "exit_code": 129}
+    assert _gone(no_leftovers) == []
 
 
 def test_sigkill_during_a_stage_leaves_nothing(tmp_path: Path, fake_stages_env,

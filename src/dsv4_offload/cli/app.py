@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> None:
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
-        sys.exit(_interrupted())
+        sys.exit(_interrupted(as_json, command))
     except usage_errors as exc:
         exc.show()  # type: ignore[attr-defined]
         sys.exit(int(ExitCode.INVALID_INPUT))
@@ -204,18 +204,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)  # type: ignore[attr-defined]
     if rv == ExitCode.INTERRUPTED:
         # typer turns Ctrl-C into a plain exit code 130; still say what happened
-        sys.exit(_interrupted())
+        sys.exit(_interrupted(as_json, command))
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
-def _interrupted() -> int:
-    """Say how we were interrupted; the exit code a shell gives that signal (128 + number)."""
+def _interrupted(as_json: bool = False, command: str = "") -> int:
+    """Say how we were interrupted (with --json, also as the command's one document); the
+    exit code a shell gives that signal (128 + its number)."""
     import contextlib
+    import json
 
     from dsv4_offload.core.runner import interrupt_name, received_signal
 
     signum = received_signal()
+    code = int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
     with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+        if as_json:
+            doc = {"schema": kit.JSON_SCHEMA, "command": command, "status": "interrupted",
+                   "data": {"signal": interrupt_name(), "exit_code": code}}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            sys.stdout.flush()
         sys.stderr.write("interrupted\n" if signum is None
                          else f"interrupted by {interrupt_name()}\n")
-    return int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
+    return code
