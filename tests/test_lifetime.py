@@ -363,3 +363,29 @@ def test_an_unusable_workspace_is_one_line(tmp_path: Path) -> None:
                 assert doc["status"] == "error" and doc["data"]["exit_code"] == 2
     finally:
         ws.chmod(0o700)
+
+
+def test_the_lock_owner_is_judged_by_pid_and_start_time(tmp_path: Path, fake_stages_env) -> None:
+    """The lock names its holder with its start time: a holder whose pid is gone (the lock
+    held by a process it started) is told apart from a live one."""
+    import fcntl
+
+    ws = tmp_path / "ws"
+    (ws / ".dsv4").mkdir(parents=True)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    with open(ws / ".dsv4" / "lock", "a+") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fh.write(f"pid {dead.pid} (run, since x) start 1\n")
+        fh.flush()
+        res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
+        assert res.code == 3, res
+        assert f"pid {dead.pid} (run, since x), which has exited" in res.err, res
+        me = procs.identity()
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {me.pid} (run, since x) start {me.start_time}\n")
+        fh.flush()
+        res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
+        assert res.code == 3 and "exited" not in res.err, res
+        assert f"in use by pid {me.pid} (run, since x);" in res.err, res
