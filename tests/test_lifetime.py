@@ -389,3 +389,28 @@ def test_the_lock_owner_is_judged_by_pid_and_start_time(tmp_path: Path, fake_sta
         res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
         assert res.code == 3 and "exited" not in res.err, res
         assert f"in use by pid {me.pid} (run, since x);" in res.err, res
+
+
+def test_an_unreadable_state_file_names_the_owner_not_move_it_aside(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`status` on a workspace it cannot read: the owner and the fix, never 'move it aside'
+    (which would lose another user's state). As root, the refusal is simulated."""
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.workspace.store import Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    ws.state_file.write_text("{}")
+    real = Path.read_text
+
+    def refuse(self: Path, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if self == ws.state_file:
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", refuse)
+    with pytest.raises(InputError) as caught:
+        ws.read_state()
+    message = caught.value.one_line()
+    assert "move it aside" not in message and "owned by" in message
+    assert "cannot read it" in message and str(ws.meta_dir) in message
