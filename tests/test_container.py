@@ -407,7 +407,8 @@ def test_ctrl_c_on_the_host_stops_the_stage_in_the_container(
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err
     state = json.loads((ws / ".dsv4/state.json").read_text())
-    assert state["stages"]["build"]["status"] == "failed"
+    # issue 19: an interrupt is recorded as such, with how it came
+    assert state["stages"]["build"]["status"] == "interrupted"
     assert "Ctrl-C" in state["stages"]["build"]["error"]  # recorded by the container's run
     with pytest.raises(ProcessLookupError):
         os.kill(inner_pid, 0)

@@ -68,6 +68,18 @@ def converted(tmp_path_factory: pytest.TempPathFactory, checkpoint: Path) -> Pat
     return ws / "gguf"
 
 
+def test_convert_with_source_is_done_in_status(converted: Path, checkpoint: Path) -> None:
+    """Issue 19: the record keeps the --source it converted from, so `status` (which has no
+    --source) judges the stage by that source: done, not stale forever."""
+    ws = converted.parent
+    res = run_cli("--json", "-w", str(ws), "status")
+    assert res.code == 0, res
+    st = {s["name"]: s for s in res.json()["data"]["stages"]}
+    assert st["convert"]["state"] == "done", st["convert"]
+    state = json.loads((ws / ".dsv4" / "state.json").read_text())
+    assert state["stages"]["convert"]["outputs"]["source"] == str(checkpoint)
+
+
 # --- an independent reading of the source ---------------------------------------------------
 
 

@@ -22,3 +22,24 @@ def test_guide_walks_both_platforms_and_every_stage() -> None:
     for heading in ("910B", "A3", "Ctrl-C", "reboot", "full disk", "network", "failed build",
                     "x86 rehearsal"):
         assert heading.lower() in text.lower(), heading
+
+
+def test_exit_code_table_is_generated_from_the_code() -> None:
+    from dsv4_offload.core.errors import (
+        EXIT_CODE_MEANINGS,
+        REGENERATE_EXIT_CODES,
+        ExitCode,
+        exit_codes_markdown,
+    )
+
+    assert set(EXIT_CODE_MEANINGS) == set(ExitCode)  # every code has its row
+    committed = (REPO / "docs" / "exit-codes.md").read_text(encoding="utf-8")
+    assert committed == exit_codes_markdown(), (
+        f"docs/exit-codes.md is out of date with core/errors.py; regenerate it: "
+        f"{REGENERATE_EXIT_CODES}")
+
+
+def test_guide_says_how_to_survive_an_ssh_drop() -> None:
+    text = (REPO / "docs" / "guide.md").read_text(encoding="utf-8")
+    for needle in ("tmux", "nohup", "--json run", "SIGHUP", "SIGTERM", "exit-codes.md"):
+        assert needle in text, needle

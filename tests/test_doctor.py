@@ -329,8 +329,27 @@ def test_fingerprint_follows_the_host_and_names_the_area(monkeypatch: pytest.Mon
     use_host(monkeypatch, HOSTS / "npu-bad-state")
     bad = doctor.fingerprint_inputs(context(tmp_path))
     changed = {k for k in first if first[k] != bad[k]}
-    assert changed == {"host.npu", "host.devices", "host.toolchain"}
+    # issue 19: the verdicts doctor reached are part of it too ("checks")
+    assert changed == {"host.npu", "host.devices", "host.toolchain", "checks"}
     assert all(isinstance(v, str) and len(v) == 16 for v in bad.values())
+
+
+def test_fingerprint_follows_what_doctor_reads_beyond_the_host(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Issue 19: the interpreter doctor reports (recorded choice, PYTHON_BIN) and the
+    verdicts it reaches make doctor stale, so `run` runs it again."""
+    from dsv4_offload.workspace.store import Workspace
+
+    use_host(monkeypatch, HOSTS / "kunpeng920-910b")
+    monkeypatch.delenv("PYTHON_BIN", raising=False)
+    first = doctor.fingerprint_inputs(context(tmp_path))
+    monkeypatch.setenv("PYTHON_BIN", "/opt/other/python3.11")
+    assert {k for k, v in doctor.fingerprint_inputs(context(tmp_path)).items()
+            if first[k] != v} == {"python"}
+    monkeypatch.delenv("PYTHON_BIN")
+    Workspace(tmp_path / "ws").update_provenance("python", {"path": "/usr/bin/python3",
+                                                             "source": "probe"})
+    assert doctor.fingerprint_inputs(context(tmp_path))["python"] != first["python"]
 
 
 def test_a_doctor_run_probes_the_host_once(monkeypatch: pytest.MonkeyPatch,

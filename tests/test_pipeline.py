@@ -148,13 +148,14 @@ def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_e
     assert states(cli, ws, fake_stages_env)["build"]["state"] == "failed"
 
 
-def test_ctrl_c_records_the_stage_as_failed(cli, ws: Path, fake_stages_env) -> None:
+def test_ctrl_c_records_the_stage_as_interrupted(cli, ws: Path, fake_stages_env) -> None:
+    # issue 19: an interrupt is recorded as such (with how it came), not as a failure
     behave(ws, "fetch", "interrupt")
     res = cli("-w", str(ws), "run", env=fake_stages_env)
     assert res.code == 130, res
     assert res.err.strip().endswith("interrupted"), res
     st = states(cli, ws, fake_stages_env)
-    assert st["fetch"]["state"] == "failed" and "Ctrl-C" in st["fetch"]["reason"]
+    assert st["fetch"]["state"] == "interrupted" and "Ctrl-C" in st["fetch"]["reason"]
 
 
 def test_second_concurrent_run_is_refused(cli, ws: Path, fake_stages_env) -> None:

@@ -390,6 +390,29 @@ def test_chosen_python_is_recorded_once_and_reused(tmp_path: Path, monkeypatch):
     assert chosen_python(ctx).source == "PYTHON_BIN"
 
 
+def test_a_fallback_interpreter_never_passes_for_a_choice(tmp_path: Path, monkeypatch):
+    """Issue 19: a build that began with no qualifying python (and failed) leaves the
+    recipe's python recorded as a fallback; it is not reused as 'recorded', and doctor's
+    python row is not green for it."""
+    from dsv4_offload.build.interpreter import build_python
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.stages import doctor
+
+    bin_dir = fake_pythons(tmp_path)
+    (bin_dir / "python3.11").unlink()  # only the python without torch
+    monkeypatch.setenv("PATH", str(bin_dir))
+    monkeypatch.delenv("PYTHON_BIN", raising=False)
+    recipe, series = load_recipe_and_series(None, [])
+    ws = Workspace(tmp_path / "ws")
+    ctx = StageContext(recipe=recipe, series=series, workspace=ws)
+    assert build_python(ctx) == recipe.build.python
+    assert json.loads(ws.provenance_file.read_text())["python"]["source"] == "recipe"
+    with pytest.raises(InputError):
+        chosen_python(ctx)  # serve and selftest: no 'recorded' choice to fall back on
+    row = doctor.check_python(ctx, doctor.probe(ctx))
+    assert row.status != "ok", row
+
+
 # --- the API key ---------------------------------------------------------------------------
 
 

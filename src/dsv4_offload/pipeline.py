@@ -8,21 +8,30 @@ declares, and the fingerprint and outputs of the stages it needs.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import BaseModel
 
+from dsv4_offload.core import procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
 from dsv4_offload.core.results import StageResult
+from dsv4_offload.core.runner import (
+    KILL_GRACE_S,
+    interrupt_name,
+    start_sentinel,
+    watch_groups,
+)
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
 
@@ -112,7 +121,7 @@ def changed_inputs(old: dict[str, str], new: dict[str, str]) -> list[str]:
 @dataclass
 class StageStatus:
     name: str
-    state: str  # done | stale | failed | interrupted | pending
+    state: str  # done | stale | failed | interrupted | running | pending
     reason: str = ""
     started: str | None = None
     ended: str | None = None
@@ -121,16 +130,6 @@ class StageStatus:
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
-
-
-def _pid_alive(pid: Any) -> bool:
-    try:
-        os.kill(int(pid), 0)
-    except (ProcessLookupError, ValueError, TypeError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 NOT_APPLICABLE = "n/a"
@@ -158,12 +157,17 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         ended=record.get("ended"), log=record.get("log"), summary=record.get("summary", ""),
     )
     if base.state == "running":
-        if _pid_alive(record.get("pid")):
+        # by pid and start time: a pid since reused by another process is not our run
+        if procs.alive(record.get("pid"), record.get("pid_start_time")):
             base.reason = f"running (pid {record.get('pid')})"
             return base
-        base.state, base.reason = "interrupted", "the process running it was stopped; rerun it"
+        base.state, base.reason = "interrupted", "the process running it was killed; rerun it"
+        left = leftover_processes(ctx.workspace, name=stage.name)
+        if left:
+            base.reason += (f" ({len(left)} of its processes still run: pids "
+                            f"{', '.join(map(str, left[:5]))}; the next run stops them)")
         return base
-    if base.state == "failed":
+    if base.state in ("failed", "interrupted"):
         base.reason = record.get("error", "")
         return base
     current = fingerprint(ctx, stage, state, memo)
@@ -200,15 +204,23 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         )
     sub = ctx.for_stage(name, options)
     ws = ctx.workspace
+    sweep_leftovers(ws)
     started = now_iso()
     t0 = time.monotonic()
+    me = procs.identity()
     # a running record replaces any earlier 'done': a killed rerun must not look finished
-    ws.write_stage_record(name, {"status": "running", "pid": os.getpid(), "started": started,
+    ws.write_stage_record(name, {"status": "running", "pid": me.pid,
+                                 "pid_start_time": me.start_time, "started": started,
                                  "log": str(sub.log_dir)})
     try:
-        result: StageResult = module.run(sub)
-    except KeyboardInterrupt:
-        _record_failure(ws, name, started, t0, "interrupted by Ctrl-C", str(sub.log_dir))
+        with _groups_noted(ws, name, me):
+            result: StageResult = module.run(sub)
+    except KeyboardInterrupt as exc:
+        how = interrupt_name(exc)
+        ws.write_stage_record(name, {
+            "status": "interrupted", "signal": how, "started": started, "ended": now_iso(),
+            "seconds": round(time.monotonic() - t0, 3), "error": f"interrupted by {how}",
+            "log": str(sub.log_dir)})
         raise
     except Dsv4Error as exc:
         _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
@@ -245,6 +257,52 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         "series_digest": model_digest(ctx.series),
     })
     return result
+
+
+# --- the process groups of a running stage --------------------------------------------------
+# Each child a stage starts leads its own process group (core/runner). They are noted in
+# run/groups-<stage> (core/procs.GroupNotes) while the stage runs; a sentinel process that
+# outlives us stops them if we die without cleaning up (SIGKILL), and the next run sweeps
+# whatever is left all the same.
+
+
+def _groups_file(ws: Any, name: str) -> Any:
+    return ws.run_dir / f"groups-{name}"
+
+
+@contextlib.contextmanager
+def _groups_noted(ws: Any, name: str, owner: procs.Identity) -> Iterator[None]:
+    notes = procs.GroupNotes(_groups_file(ws, name))
+    notes.begin(owner)
+    sentinel = start_sentinel([sys.executable, "-m", "dsv4_offload.core.procs", "sweep",
+                               str(notes.path)])
+    try:
+        with watch_groups(notes.note):
+            yield
+    finally:  # every group was stopped on the way out (the runner's rule)
+        notes.path.unlink(missing_ok=True)
+        if sentinel is not None:
+            sentinel.release()
+        with contextlib.suppress(OSError):
+            notes.path.parent.rmdir()  # only when empty: nothing of ours is left
+
+
+def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
+    """Processes still running from stages whose run was killed outright."""
+    found: list[int] = []
+    for path in sorted(ws.run_dir.glob(f"groups-{name or '*'}")):
+        found += procs.GroupNotes(path).leftovers()
+    return found
+
+
+def sweep_leftovers(ws: Any) -> list[int]:
+    """Stop what is left of stages whose run was killed outright (TERM, then KILL)."""
+    stopped: list[int] = []
+    for path in sorted(ws.run_dir.glob("groups-*")):
+        stopped += procs.GroupNotes(path).sweep(KILL_GRACE_S)
+    with contextlib.suppress(OSError):
+        ws.run_dir.rmdir()  # only when empty
+    return sorted(set(stopped))
 
 
 def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None

@@ -2,7 +2,9 @@
 
 Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
 <workspace>/ran.log and obeys <workspace>/behave/<stage>: 'fail' returns a failed result,
-'raise' raises an InputError, 'sleep' sleeps until killed, 'interrupt' raises Ctrl-C.
+'raise' raises an InputError, 'sleep' sleeps until killed, 'interrupt' raises Ctrl-C,
+'children' runs a child through the runner that starts a grandchild in its group, writes
+both pids to <workspace>/<stage>.pids and sleeps (as a build step's shell and compiler).
 With <workspace>/record-env (names), it writes the values it saw to <workspace>/env-<stage>.json.
 """
 
@@ -32,6 +34,20 @@ def make(name: str):  # type: ignore[no-untyped-def]
         if behave == "sleep":
             (root / f"{name}.started").write_text("x")
             time.sleep(600)
+        if behave == "children":
+            import sys
+
+            from dsv4_offload.core.runner import run_command
+
+            pids = root / f"{name}.pids"
+            # both carry the pids file's path in their command line (tests find them by it)
+            script = ("import os, subprocess, sys, time\n"
+                      "g = subprocess.Popen([sys.executable, '-c',"
+                      " 'import time; time.sleep(600)', sys.argv[1]])\n"
+                      "open(sys.argv[1], 'w').write(f'{os.getpid()} {g.pid}\\n')\n"
+                      "time.sleep(600)\n")
+            run_command([sys.executable, "-c", script, str(pids)],
+                        log=ctx.log_dir / "children.log")
         if behave == "interrupt":
             raise KeyboardInterrupt
         if behave == "raise":

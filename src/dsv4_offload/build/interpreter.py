@@ -36,6 +36,7 @@ CANDIDATES: tuple[str, ...] = (
 REQUIRED_MODULES: tuple[str, ...] = ("numpy", "torch", "torch_npu", "sglang")
 PYTHON_BIN_ENV = "PYTHON_BIN"
 PROVENANCE_SECTION = "python"
+FALLBACK_SOURCE = "recipe"  # the recipe's python, taken for want of a qualifying one
 _PROBE_TIMEOUT_S = 120  # importing torch_npu initialises CANN: slow on a cold cache
 # python_env.sh L29-35 imports each module in turn; the same, as one -c program
 _IMPORT_PROGRAM = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)"
@@ -147,15 +148,17 @@ def chosen_python(ctx: StageContext, *, fallback: str | None = None, record: boo
     env = _launcher_env(ctx)
     choice: PythonChoice | None
     prior = recorded_python(ctx)
+    # a recorded fallback (source "recipe": nothing imported the modules when the build
+    # began) is no choice: probe again, and never report it as the workspace's interpreter
     if not explicit and not env.get(PYTHON_BIN_ENV) and prior is not None \
-            and shutil.which(prior["path"]) is not None:
+            and prior.get("source") != FALLBACK_SOURCE and shutil.which(prior["path"]) is not None:
         return PythonChoice(prior["path"], "recorded",
                             f"recorded in {ctx.workspace.provenance_file.name} "
                             f"({prior.get('reason', 'earlier choice')})",
                             list(prior.get("tried") or []))
     choice, tried = resolve_python(explicit=explicit, env=env, modules=modules)
     if choice is None and fallback:
-        choice = PythonChoice(fallback, "recipe",
+        choice = PythonChoice(fallback, FALLBACK_SOURCE,
                               f"no candidate imports {' '.join(modules)} yet: the recipe's "
                               "python", tried)
     if choice is None:

@@ -189,14 +189,17 @@ def main(argv: list[str] | None = None) -> None:
     hoisted, found = hoist_globals(click_app, args)
     as_json = "--json" in found
     command = _command_name(hoisted, click_app)
+    from dsv4_offload.core.runner import signals_as_interrupt
+
     try:
-        # what app(...) does, without rebuilding the tree (pretty exceptions are off)
-        rv = click_app(args=args, prog_name="dsv4-offload", standalone_mode=False)
+        # what app(...) does, without rebuilding the tree (pretty exceptions are off);
+        # SIGTERM and SIGHUP take the way of Ctrl-C: children stopped, records written
+        with signals_as_interrupt():
+            rv = click_app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
-        sys.stderr.write("interrupted\n")
-        sys.exit(int(ExitCode.INTERRUPTED))
+        sys.exit(_interrupted(as_json, command))
     except usage_errors as exc:
         if as_json:  # --json was asked: the usage error is a document too
             sys.stdout.write(kit.usage_error_document(exc, command))
@@ -206,5 +209,26 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)  # type: ignore[attr-defined]
     if rv == ExitCode.INTERRUPTED:
         # typer turns Ctrl-C into a plain exit code 130; still say what happened
-        sys.stderr.write("interrupted\n")
+        sys.exit(_interrupted(as_json, command))
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _interrupted(as_json: bool = False, command: str = "") -> int:
+    """Say how we were interrupted (with --json, also as the command's one document); the
+    exit code a shell gives that signal (128 + its number)."""
+    import contextlib
+    import json
+
+    from dsv4_offload.core.runner import interrupt_name, received_signal
+
+    signum = received_signal()
+    code = int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
+    with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+        if as_json:
+            doc = {"schema": kit.JSON_SCHEMA, "command": command, "status": "interrupted",
+                   "data": {"signal": interrupt_name(), "exit_code": code}}
+            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            sys.stdout.flush()
+        sys.stderr.write("interrupted\n" if signum is None
+                         else f"interrupted by {interrupt_name()}\n")
+    return code

@@ -183,11 +183,12 @@ def serve_status(ctx: typer.Context) -> None:
     if record is None:
         line = "no server started from this workspace"
     elif alive:
-        line = (f"running: {record.url} pid {record.server_pid} (supervisor "
+        data["supervisor_running"] = record.supervisor_alive()
+        line = (f"{record.describe()}: {record.url} pid {record.server_pid} (supervisor "
                 f"{record.supervisor_pid}), {record.kt_num_gpu_experts} resident experts, "
                 f"{'healthy' if healthy else 'not answering /health yet'}; log {record.log}")
     else:
-        line = f"not running ({record.state}, exit code {record.exit_code}); log {record.log}"
+        line = f"not running ({record.describe()}); log {record.log}"
     kit.emit(ctx, command="serve status", status="ok" if alive else "failed", data=data,
                 lines=[line])
     kit.exit_with(ExitCode.OK if alive else ExitCode.FAILED)
@@ -249,6 +250,9 @@ def serve_stop(ctx: typer.Context) -> None:
     forward_into_container(ctx, sctx, "serve", ["serve", "stop"])  # its pids are in there
     record = sv.read_record(sctx.workspace.serve_record)
     if not sv.record_alive(record):
+        if record is not None and record.state in ("starting", "running"):
+            # its supervisor was killed with it: close the record, so status tells the truth
+            sv.stop_recorded(sctx.workspace.serve_record, sctx.recipe.serve.stop_timeout_s)
         kit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},
                     lines=["no server running"])
         return

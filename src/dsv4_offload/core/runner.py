@@ -13,6 +13,12 @@ The shapes callers need:
   command, a cross-build step whose output the build stage's log keeps); its exit code.
 - :func:`start`: a long-lived child (the server, a streaming ``docker exec``); a
   :class:`Child` handle the caller waits on and stops as a group.
+
+Every child but one started to outlive us (``outlive=True``: the detached server's
+supervisor) also gets a parent-death signal, so even a SIGKILL of the tool takes it down;
+SIGTERM and SIGHUP of the tool are turned into an interrupt (:func:`signals_as_interrupt`)
+so the same cleanup as for Ctrl-C runs. :func:`watch_groups` tells a caller (the pipeline)
+each process group started meanwhile, so a run killed outright can be swept up later.
 """
 
 from __future__ import annotations
@@ -254,21 +260,88 @@ def start(
     stderr: int | IO[Any] | None = subprocess.STDOUT,
     preexec_fn: Callable[[], None] | None = None,
     stdin: int | None = subprocess.DEVNULL,
+    outlive: bool = False,
 ) -> Child:
     """Start a long-lived child in its own session, stdin closed (or a pipe the caller holds
     open as a proof of life: ``stdin=subprocess.PIPE``); failing to start raises the
-    ``OSError``. The caller reads ``child.proc.stdout`` and stops it with ``stop``."""
+    ``OSError``. The caller reads ``child.proc.stdout`` and stops it with ``stop``.
+    ``outlive``: the child is meant to run on after this process (no parent-death signal)."""
     return Child(_spawn(args, cwd=cwd, env=env, stdin=stdin, stdout=stdout,
-                        stderr=stderr, preexec_fn=preexec_fn))
+                        stderr=stderr, preexec_fn=preexec_fn, outlive=outlive))
 
 
 def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | None,
            stdin: int | None, stdout: int | IO[Any] | None, stderr: int | IO[Any] | None,
-           preexec_fn: Callable[[], None] | None = None) -> subprocess.Popen[bytes]:
-    """The one ``Popen`` of the package: a new session, so the group can be stopped whole."""
-    return subprocess.Popen(args, cwd=cwd, env=None if env is None else dict(env), stdin=stdin,
-                            stdout=stdout, stderr=stderr, start_new_session=True,
-                            preexec_fn=preexec_fn, close_fds=True)
+           preexec_fn: Callable[[], None] | None = None, outlive: bool = False
+           ) -> subprocess.Popen[bytes]:
+    """The one ``Popen`` of the package: a new session, so the group can be stopped whole;
+    unless ``outlive``, the child dies with us (a parent-death signal)."""
+    before = preexec_fn
+    if not outlive:
+        parent = os.getpid()
+
+        def before() -> None:
+            die_with_parent()
+            if os.getppid() != parent:  # it died before the signal was armed
+                os._exit(143)
+            if preexec_fn is not None:
+                preexec_fn()
+
+    proc = subprocess.Popen(args, cwd=cwd, env=None if env is None else dict(env),
+                            stdin=stdin, stdout=stdout, stderr=stderr,
+                            start_new_session=True, preexec_fn=before, close_fds=True)
+    for watcher in list(_group_watchers):
+        with contextlib.suppress(Exception):  # a record that cannot be written stops nothing
+            watcher(proc.pid)
+    return proc
+
+
+class Sentinel:
+    """A child that outlives us, reading a pipe only we hold: EOF tells it we are gone."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], write_fd: int) -> None:
+        self.proc = proc
+        self._fd: int | None = write_fd
+
+    def release(self, timeout: float = 5.0) -> None:
+        """Close our end (the sentinel sees EOF and, finding nothing left, exits); reap it."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = None
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(self.proc, 1.0)
+
+
+def start_sentinel(args: list[str]) -> Sentinel | None:
+    """Start ``args`` to outlive us, its stdin the read end of a pipe whose write end only
+    this process holds (never inherited): when we exit, by any signal SIGKILL included, it
+    reads EOF and can clean up after us. None when it cannot be started."""
+    read_fd, write_fd = os.pipe()  # both non-inheritable: no other child holds them
+    try:
+        proc = _spawn(args, cwd=None, env=None, stdin=read_fd, stdout=subprocess.DEVNULL,
+                      stderr=subprocess.DEVNULL, outlive=True)
+    except OSError:
+        os.close(write_fd)
+        return None
+    finally:
+        os.close(read_fd)
+    return Sentinel(proc, write_fd)
+
+
+_group_watchers: list[Callable[[int], None]] = []
+
+
+@contextlib.contextmanager
+def watch_groups(callback: Callable[[int], None]) -> Iterator[None]:
+    """Meanwhile, ``callback(pgid)`` for every child started (each leads its own group)."""
+    _group_watchers.append(callback)
+    try:
+        yield
+    finally:
+        _group_watchers.remove(callback)
 
 
 def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
@@ -310,10 +383,34 @@ def die_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
 
 
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised as an interrupt: ``signum`` says which."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_received: list[int] = []
+
+
+def received_signal() -> int | None:
+    """The first SIGTERM/SIGHUP this process got under :func:`signals_as_interrupt`, or None."""
+    return _received[0] if _received else None
+
+
+def interrupt_name(exc: BaseException | None = None) -> str:
+    """How the interrupt came: 'SIGTERM', 'SIGHUP' or 'Ctrl-C'."""
+    signum = getattr(exc, "signum", None) or received_signal()
+    return signal.Signals(signum).name if signum else "Ctrl-C"
+
+
 @contextlib.contextmanager
 def signals_as_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt meanwhile, so the same cleanup as for
-    Ctrl-C runs (their default would end this process at once and orphan its children)."""
+    """SIGTERM and SIGHUP raise :class:`Interrupted` (a KeyboardInterrupt) meanwhile, so the
+    same cleanup as for Ctrl-C runs (their default would end this process at once and
+    orphan its children). Only the first one raises: repeats while that cleanup runs (a
+    scheduler that sends SIGTERM twice) are noted, not allowed to cut it short."""
     import threading
 
     if threading.current_thread() is not threading.main_thread():
@@ -321,7 +418,10 @@ def signals_as_interrupt() -> Iterator[None]:
         return
 
     def interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
+        first = not _received
+        _received.append(signum)
+        if first:
+            raise Interrupted(signum)
 
     previous = {sig: signal.signal(sig, interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:

@@ -45,7 +45,6 @@ from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.runner import (
     CommandFailed,
     capture,
-    die_with_parent,
     run_attached,
     run_command,
     signals_as_interrupt,
@@ -732,7 +731,7 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
         with signals_as_interrupt():
             # stdin: a pipe held open, never written, closed only by our end (or death)
             child = start(argv, env=env, stdout=subprocess.PIPE, stderr=err,
-                          preexec_fn=die_with_parent, stdin=subprocess.PIPE)
+                          stdin=subprocess.PIPE)
             proc = child.proc
             try:
                 assert proc.stdout is not None and proc.stdin is not None
@@ -756,7 +755,7 @@ def exec_attached(argv: list[str], env: dict[str, str] | None = None) -> int:
     Stopped with this process (Ctrl-C, SIGTERM, SIGHUP, an exception, or its death)."""
     with signals_as_interrupt():
         try:
-            return run_attached(argv, env=env, preexec_fn=die_with_parent)
+            return run_attached(argv, env=env)
         except FileNotFoundError:
             raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core import procs
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.runner import start
 
@@ -130,46 +131,28 @@ def _first_fatal(lines: list[str]) -> tuple[FatalPattern | None, str]:
 # --- process groups -------------------------------------------------------------------------
 
 
-def group_alive(pgid: int) -> bool:
+def group_alive(pgid: int, since: int | None = None) -> bool:
+    """Has process group ``pgid`` a live member (started at or after ``since``, when given)?
+    killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return _group_has_live_member(pgid)
-
-
-def _stat_fields(proc_dir: Path) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name: state, ppid, pgrp, ...
-
-    None when the process is gone or the file is unreadable.
-    """
-    try:
-        return (proc_dir / "stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-
-
-def _group_has_live_member(pgid: int) -> bool:
-    """killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
-    proc = Path("/proc")
-    if not proc.is_dir():
+    if not procs.PROC.is_dir():
         return True
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        fields = _stat_fields(entry)
-        if fields and len(fields) > 2 and int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+    return bool(procs.group_members(pgid, since))
 
 
-def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | None = None
-               ) -> str:
-    """SIGINT, then SIGTERM, then SIGKILL on the group, each after a wait; the one that did it."""
+def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | None = None,
+               since: int | None = None) -> str:
+    """SIGINT, then SIGTERM, then SIGKILL on the group, each after a wait; the one that did it.
+    ``since``: the recorded start of its leader, so a reused group id is left alone."""
     for sig, wait in ((signal.SIGINT, interrupt_wait), (signal.SIGTERM, SIGTERM_WAIT_S),
                       (signal.SIGKILL, SIGKILL_WAIT_S)):
+        if since is not None and not group_alive(pgid, since):
+            return "already stopped"
         try:
             os.killpg(pgid, sig)
         except ProcessLookupError:
@@ -178,23 +161,15 @@ def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | No
         while time.monotonic() < deadline:
             if reap is not None:
                 reap()
-            if not group_alive(pgid):
+            if not group_alive(pgid, since):
                 return sig.name
             time.sleep(0.05)
     return "SIGKILL (still listed)"
 
 
-def pid_alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    fields = _stat_fields(Path(f"/proc/{pid}"))
-    return not fields or fields[0] != "Z"
+def pid_alive(pid: int | None, started: int | None = None) -> bool:
+    """Is ``pid`` running, and the process that started at ``started`` (when known)?"""
+    return bool(pid) and procs.alive(pid, started)
 
 
 def _raise_nofile() -> None:
@@ -219,6 +194,9 @@ class ServerProcess:
     on_line: Callable[[str], None] | None = None
     # sglang's --api-key: read here, put into the exec'd argv only, masked in the log
     api_key_file: str | None = None
+    # the detached supervisor's server runs on if the supervisor is killed outright; `serve
+    # stop` finds it by its recorded pid and start time. In the foreground it dies with us.
+    outlive: bool = False
     proc: subprocess.Popen[bytes] | None = None
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=TAIL_LINES))
     _pump: threading.Thread | None = None
@@ -236,7 +214,8 @@ class ServerProcess:
         with open(self.log, "a", encoding="utf-8") as fh:
             fh.write(f"=== {time.strftime('%Y-%m-%dT%H:%M:%S')} $ {' '.join(self.argv)}\n")
         try:
-            self.proc = start(argv, env=self.env, cwd=self.cwd, preexec_fn=_raise_nofile).proc
+            self.proc = start(argv, env=self.env, cwd=self.cwd, preexec_fn=_raise_nofile,
+                              outlive=self.outlive).proc
         except OSError as exc:
             raise InputError(
                 f"cannot start the server {self.argv[0]!r} ({exc.strerror}); check "
@@ -259,6 +238,10 @@ class ServerProcess:
                 if self.on_line is not None:
                     with contextlib.suppress(Exception):  # a display error must not stop the copy
                         self.on_line(line)
+
+    def masked(self, argv: Any) -> list[str]:
+        """``argv`` (the server's command line from /proc) with the API key masked."""
+        return [a.replace(self._secret, "***") if self._secret else a for a in argv]
 
     @property
     def pid(self) -> int:
@@ -391,9 +374,39 @@ class ServeRecord:
     exit_code: int | None = None
     kt_num_gpu_experts: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # who they are beyond the pid (procs.start_time): a reused pid is not our server
+    server_start_time: int | None = None
+    server_cmdline: list[str] = field(default_factory=list)
+    supervisor_start_time: int | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+    def server_alive(self) -> bool:
+        """The recorded server (or what is left of its process group) is still there."""
+        if not self.server_pid:
+            return False
+        if pid_alive(self.server_pid, self.server_start_time):
+            return True
+        # the leader gone, members of its group (sglang's schedulers) may still run
+        return self.server_start_time is not None and group_alive(self.server_pid,
+                                                                  self.server_start_time)
+
+    def supervisor_alive(self) -> bool:
+        return pid_alive(self.supervisor_pid, self.supervisor_start_time)
+
+    def describe(self) -> str:
+        """One phrase: what runs of it now."""
+        server, supervisor = self.server_alive(), self.supervisor_alive()
+        if server and supervisor:
+            return "running"
+        if server:
+            return "running without its supervisor (killed); `serve stop` stops it"
+        if supervisor and self.state in ("starting", "running"):
+            return "starting"
+        if self.state in ("starting", "running"):
+            return "gone: the server and its supervisor were killed (the record was not closed)"
+        return f"{self.state} (exit code {self.exit_code})"
 
 
 def read_record(path: Path) -> ServeRecord | None:
@@ -414,11 +427,12 @@ def write_record(path: Path, record: ServeRecord) -> None:
 
 
 def record_alive(record: ServeRecord | None) -> bool:
-    """Is the supervised server (or its supervisor) still there?"""
+    """Is the supervised server (or its supervisor, while starting it) still there? By pid
+    and start time: a pid reused by another process is not our server."""
     if record is None:
         return False
-    return pid_alive(record.server_pid) or (record.state in ("starting", "running")
-                                            and pid_alive(record.supervisor_pid))
+    return record.server_alive() or (record.state in ("starting", "running")
+                                     and record.supervisor_alive())
 
 
 def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) -> int:
@@ -433,7 +447,7 @@ def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) 
     with open(supervisor_log, "ab") as out:
         # meant to outlive us: no `with`; detached_guard stops it if the caller fails
         child = start([sys.executable, "-m", "dsv4_offload.serving.supervisor", str(spec_path)],
-                      env=env, stdout=out)
+                      env=env, stdout=out, outlive=True)
     return child.pid
 
 
@@ -443,12 +457,14 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
     if record is None:
         return None, "no server record"
     how = "not running"
-    if record.server_pid and pid_alive(record.server_pid):
-        how = stop_group(record.server_pid, interrupt_wait=interrupt_wait)
+    if record.server_pid and record.server_alive():
+        # by pid and start time, with or without its supervisor
+        how = stop_group(record.server_pid, interrupt_wait=interrupt_wait,
+                         since=record.server_start_time)
     deadline = time.monotonic() + SIGTERM_WAIT_S
-    while pid_alive(record.supervisor_pid) and time.monotonic() < deadline:
+    while record.supervisor_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if pid_alive(record.supervisor_pid):
+    if record.supervisor_alive():
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.supervisor_pid, signal.SIGKILL)
     fresh = read_record(path) or record
@@ -464,7 +480,8 @@ def supervise(spec: dict[str, Any]) -> int:
     record_path = Path(spec["record"])
     server = ServerProcess(list(spec["argv"]), dict(spec["env"]), Path(spec["log"]),
                            cwd=Path(spec["cwd"]) if spec.get("cwd") else None,
-                           api_key_file=spec.get("api_key_file"))
+                           api_key_file=spec.get("api_key_file"), outlive=True)
+    me = procs.identity()
     stopping = threading.Event()
 
     def _on_signal(signum: int, _frame: Any) -> None:
@@ -479,11 +496,14 @@ def supervise(spec: dict[str, Any]) -> int:
             fh.write(f"=== could not start: {exc.one_line()}\n")
         write_record(record_path, ServeRecord(
             os.getpid(), None, spec["url"], spec["log"], spec["argv"], now_iso(), "exited", 127,
-            spec.get("kt_num_gpu_experts")))
+            spec.get("kt_num_gpu_experts"), supervisor_start_time=me.start_time))
         return 127
+    server_id = procs.identity(server.pid)
     record = ServeRecord(os.getpid(), server.pid, spec["url"], spec["log"], spec["argv"],
                          now_iso(), "running", None, spec.get("kt_num_gpu_experts"),
-                         spec.get("extra", {}))
+                         spec.get("extra", {}), server_start_time=server_id.start_time,
+                         server_cmdline=server.masked(server_id.cmdline),
+                         supervisor_start_time=me.start_time)
     write_record(record_path, record)
     while server.poll() is None and not stopping.is_set():
         time.sleep(0.1)

@@ -155,7 +155,8 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     from dsv4_offload.weights.checkpoint import CONFIG_FILE, INDEX_FILE
 
     out = {}
-    src = source_dir(ctx)
+    src = _source_used(ctx)
+    out["source"] = str(src)
     for name in (CONFIG_FILE, INDEX_FILE):
         try:
             st = (src / name).stat()
@@ -167,6 +168,17 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     except PackageNotFoundError:
         out["tool.gguf"] = "absent"
     return out
+
+
+def _source_used(ctx: StageContext) -> Path:
+    """--source when given; else the one the recorded conversion used (a `convert --source`
+    is done from that source, not stale because `status` has no --source); else the
+    recipe's MXFP4 download."""
+    if ctx.option("source"):
+        return source_dir(ctx)
+    record = ctx.workspace.read_state().get("stages", {}).get("convert") or {}
+    recorded = (record.get("outputs") or {}).get("source")
+    return Path(recorded) if isinstance(recorded, str) and recorded else source_dir(ctx)
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -194,7 +206,8 @@ def run(ctx: StageContext) -> StageResult:
 
     base = {"source": str(source), "gguf_dir": str(out_dir), "dims": dims.as_dict(),
             "layers": layers, "skipped": skipped}
-    outputs = {"gguf_dir": str(out_dir), "layers": layers, "dims": dims.as_dict(),
+    outputs = {"source": str(source), "gguf_dir": str(out_dir), "layers": layers,
+               "dims": dims.as_dict(),
                "file_bytes": {str(k): v.file_bytes for k, v in layouts.items()}}
     if not work:
         return StageResult(Status.SKIPPED, f"all {len(layers)} layer files already present "

@@ -275,7 +275,7 @@ def check_serve_bind(recipe: Recipe) -> Check:
 
 def check_python(ctx: StageContext, facts: HostFacts) -> Check:
     """Which interpreter build, selftest and serve use, and why (python_env.sh's choice)."""
-    from dsv4_offload.build.interpreter import REQUIRED_MODULES, chosen_python
+    from dsv4_offload.build.interpreter import FALLBACK_SOURCE, REQUIRED_MODULES, chosen_python
     from dsv4_offload.core.errors import InputError
 
     required = f"one python that imports {' '.join(REQUIRED_MODULES)}"
@@ -287,6 +287,10 @@ def check_python(ctx: StageContext, facts: HostFacts) -> Check:
         return Check("python", WARN, exc.one_line().split(";")[0], required,
                      "set PYTHON_BIN (or --python) to the image's python 3.11 with torch and "
                      "torch_npu; `build` falls back to the recipe's build.python until then")
+    if choice.source == FALLBACK_SOURCE:  # never green: nothing imports the modules yet
+        return Check("python", WARN, f"{choice.path} ({choice.reason})", required,
+                     "set PYTHON_BIN (or --python) to the image's python 3.11 with torch and "
+                     "torch_npu")
     return Check("python", OK, f"{choice.path} ({choice.source}: {choice.reason})", required, "")
 
 
@@ -715,7 +719,19 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Digests of the host facts doctor judges, minus what moves by itself (free memory,
     free disk, HBM in use), so a changed host makes doctor stale and names the area."""
     f = ctx.options.get("host_facts") or probe(ctx)
+    # and the outcome of every check (name, verdict, requirement): what doctor read beyond
+    # the facts below (the container runtime, binfmt, the recipe's requirements) makes it
+    # stale too, so `run` runs it again; the interpreter by its recorded choice and
+    # PYTHON_BIN (probing its imports here would make `status` as slow as doctor itself)
+    checks, _ = evaluate(ctx.recipe, f, _device_option(ctx),
+                         binfmt_state(f.root) if cross_tools(ctx.recipe) else "absent",
+                         probe_runtime(ctx.recipe, f))
+    from dsv4_offload.build.interpreter import PYTHON_BIN_ENV, recorded_python
+
     return {
+        "checks": _digest(sorted((c.name, c.status, c.required) for c in checks)),
+        "python": _digest([recorded_python(ctx), os.environ.get(PYTHON_BIN_ENV),
+                           ctx.option("python")]),
         "host.cpu": _digest([f.arch, sorted(f.cpu_flags), f.cores, f.cpu_model]),
         "host.numa": _digest(f.numa_cpulists),
         "host.memory": _digest(round((f.mem_total_kib or 0) / KIB_PER_GIB)),

@@ -291,7 +291,7 @@ def _detached_exit(record_path: Path, supervisor_pid: int) -> Any:
         if record is not None and record.supervisor_pid == supervisor_pid:
             if record.state in ("exited", "stopped"):
                 return record.exit_code if record.exit_code is not None else -1
-            if record.server_pid and not sv.pid_alive(record.server_pid):
+            if record.server_pid and not record.server_alive():
                 return -1
         if not sv.pid_alive(supervisor_pid):
             return -1

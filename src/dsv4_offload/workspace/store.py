@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core import procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError, LockedError
 
@@ -54,15 +55,61 @@ def atomic_write_json(path: Path, value: Any) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
+def _user(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"uid {uid}"
+
+
+def access_error(path: Path, write: bool = True) -> InputError:
+    """One line for a workspace path this user cannot read or write: which directory, who
+    owns it, and the fix. An input error (exit 2): the workspace given is not usable."""
+    # the nearest directory we can see (os.path: False, not an error, where access stops)
+    probe = path if os.path.isdir(path) else path.parent
+    while probe.parent != probe and not os.path.exists(probe):
+        probe = probe.parent
+    try:
+        st = probe.stat()
+        owner, mode = _user(st.st_uid), f"{st.st_mode & 0o777:04o}"
+    except OSError:
+        owner, mode = "unknown", "?"
+    me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
+    need = "read and write" if write else "read"
+    return InputError(
+        f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) cannot "
+        f"{need} it; run as {owner}, or `sudo chown -R {me} {probe}`, or pick another "
+        "--workspace DIR")
+
+
 def read_json(path: Path, default: Any) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         return default
+    except PermissionError:
+        raise access_error(path, write=False) from None
     except (OSError, ValueError) as exc:
         raise InputError(
             f"{path}: unreadable JSON ({exc}); move it aside and rerun (the stage redoes its work)"
         ) from None
+
+
+def _holder_liveness(holder: str) -> str:
+    """The lock line, shown without its start time; told when that process is gone (a
+    process that inherited the lock's descriptor holds it then)."""
+    words = holder.split()
+    if len(words) >= 2 and words[0] == "pid" and words[1].isdigit():
+        started = words[-1] if len(words) > 3 and words[-2] == "start" else None
+        shown = " ".join(words[:-2]) if started is not None else holder
+        if started is not None and not procs.alive(int(words[1]),
+                                                   int(started) if started.isdigit() else None):
+            return (f"{shown}, which has exited (a process it started still holds the lock; "
+                    "`fuser` on the lock file names it)")
+        return shown
+    return holder
 
 
 class Workspace:
@@ -168,11 +215,16 @@ class Workspace:
     def ensure(self) -> None:
         try:
             self.meta_dir.mkdir(parents=True, exist_ok=True)
+        except PermissionError:
+            raise access_error(self.meta_dir) from None
         except OSError as exc:
             raise InputError(
                 f"{self.root}: cannot create the workspace ({exc.strerror}); "
                 "pick a writable --workspace DIR"
             ) from None
+        for directory in (self.root, self.meta_dir):
+            if not os.access(directory, os.R_OK | os.W_OK | os.X_OK):
+                raise access_error(directory)
 
     # --- lock ---
     @contextlib.contextmanager
@@ -183,7 +235,10 @@ class Workspace:
         lock instead: the holder keeps it, so no third process gets in meanwhile.
         """
         self.ensure()
-        fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
+        try:
+            fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
+        except PermissionError:
+            raise access_error(self.lock_file) from None
         try:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -199,13 +254,16 @@ class Workspace:
                     return
                 holder = content.strip().splitlines()[0] if content.strip() else \
                     "another dsv4-offload process"
+                holder = _holder_liveness(holder)
                 raise LockedError(
                     f"workspace {self.root} is in use by {holder}; wait for it to finish or "
                     "use another --workspace"
                 ) from None
             fh.seek(0)
             fh.truncate()
-            fh.write(f"pid {os.getpid()} ({command}, since {now_iso()})\n")
+            # the start time makes the pid an identity (core/procs): see _holder_liveness
+            fh.write(f"pid {os.getpid()} ({command}, since {now_iso()}) "
+                     f"start {procs.start_time(os.getpid())}\n")
             fh.flush()
             self._lock_fh = fh
             yield

@@ -1,0 +1,235 @@
+"""Who a process is: pid plus its start time (and command line), read from ``/proc``.
+
+A pid alone is no identity: once a process is gone its pid goes to the next one. Every
+record that names a process (a running stage, the workspace lock, the server and its
+supervisor) keeps the start time too, and liveness checks both. Off Linux (no ``/proc``)
+the start time is unknown and the checks fall back to the pid.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PROC = Path("/proc")
+_STARTTIME_INDEX = 19  # field 22 of /proc/<pid>/stat, counted after the ')' of the name
+_PGRP_INDEX = 2  # field 5
+
+
+def stat_fields(pid: int | str) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state, ppid, pgrp, ...),
+    or None when the process is gone or the file is unreadable."""
+    try:
+        return (PROC / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def start_time(pid: int | None) -> int | None:
+    """The process's start time in clock ticks since boot, or None (gone, or no /proc)."""
+    if not pid:
+        return None
+    fields = stat_fields(pid)
+    if not fields or len(fields) <= _STARTTIME_INDEX:
+        return None
+    try:
+        return int(fields[_STARTTIME_INDEX])
+    except ValueError:
+        return None
+
+
+def cmdline(pid: int | None) -> list[str]:
+    """The process's command line, [] when unknown."""
+    if not pid:
+        return []
+    try:
+        raw = (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode("utf-8", "replace") for part in raw.split(b"\0") if part]
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, ValueError, OverflowError):
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def alive(pid: Any, started: Any = None) -> bool:
+    """Is process ``pid`` running (not a zombie) and, when ``started`` is given, the very
+    process that started then (not a newcomer that got its pid)?"""
+    try:
+        pid = int(pid)
+    except (TypeError, ValueError):
+        return False
+    if pid <= 0 or not _exists(pid):
+        return False
+    fields = stat_fields(pid)
+    if fields is None:
+        return not PROC.is_dir()  # no /proc: the pid is all we can go by
+    if fields[0] in ("Z", "X"):
+        return False
+    if started is None:
+        return True
+    try:
+        return int(fields[_STARTTIME_INDEX]) == int(started)
+    except (IndexError, ValueError, TypeError):
+        return False
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A process as records keep it."""
+
+    pid: int
+    start_time: int | None
+    cmdline: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"pid": self.pid, "start_time": self.start_time, "cmdline": list(self.cmdline)}
+
+    def alive(self) -> bool:
+        return alive(self.pid, self.start_time)
+
+
+def identity(pid: int | None = None) -> Identity:
+    """``pid``'s identity (this process's by default)."""
+    pid = os.getpid() if pid is None else pid
+    return Identity(pid, start_time(pid), tuple(cmdline(pid)))
+
+
+def group_members(pgid: int, since: int | None = None) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``; with ``since``, only those
+    started at or after that tick (a reused group id holds only newer processes than its
+    recorded leader: older ones are not ours)."""
+    if not PROC.is_dir():
+        return []
+    found = []
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = stat_fields(entry.name)
+        if not fields or len(fields) <= _STARTTIME_INDEX or fields[0] in ("Z", "X"):
+            continue
+        try:
+            if int(fields[_PGRP_INDEX]) != pgid:
+                continue
+            if since is not None and int(fields[_STARTTIME_INDEX]) < int(since):
+                continue
+        except ValueError:
+            continue
+        found.append(int(entry.name))
+    return found
+
+
+# --- the process groups of a running stage ----------------------------------------------------
+
+
+def _pid_namespace() -> str:
+    try:
+        return os.readlink("/proc/self/ns/pid").replace(" ", "")
+    except OSError:
+        return "-"
+
+
+@dataclass(frozen=True)
+class GroupNotes:
+    """A file naming its owner (pid, start time, pid namespace) and the process groups it
+    started (leader pid, start time), so that what a killed owner left behind can be found
+    and stopped: by the owner's sentinel, or by the next run."""
+
+    path: Path
+
+    def begin(self, owner: Identity) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n")
+
+    def note(self, pgid: int) -> None:
+        with open(self.path, "a") as fh:
+            fh.write(f"group {pgid} {start_time(pgid)}\n")
+
+    def read(self) -> tuple[tuple[int, int | None], list[tuple[int, int]]] | None:
+        """((owner pid, start), [(pgid, leader start)]), or None: no file, or an owner in
+        another pid namespace (the container: its pids mean nothing here)."""
+        try:
+            lines = self.path.read_text().splitlines()
+        except OSError:
+            return None
+        owner: tuple[int, int | None] = (0, None)
+        groups = []
+        for line in lines:
+            parts = line.split()
+            if len(parts) < 3 or not parts[1].isdigit():
+                continue
+            when = int(parts[2]) if parts[2].isdigit() else None
+            if parts[0] == "owner":
+                if parts[3:] != [_pid_namespace()]:
+                    return None
+                owner = (int(parts[1]), when)
+            elif when is not None:  # a group whose leader's start is unknown is not ours
+                groups.append((int(parts[1]), when))
+        return owner, groups
+
+    def leftovers(self) -> list[int]:
+        """Live processes of the noted groups, once the owner is gone."""
+        read = self.read()
+        if read is None or alive(*read[0]):
+            return []
+        return [pid for pgid, since in read[1] for pid in group_members(pgid, since)]
+
+    def sweep(self, grace: float) -> list[int]:
+        """Once the owner is gone: SIGTERM the noted groups' members, SIGKILL after
+        ``grace`` seconds, and remove the file. The pids signalled."""
+        read = self.read()
+        if read is None or alive(*read[0]):
+            return []
+        stopped: list[int] = []
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            members = [(pid, pgid, since) for pgid, since in read[1]
+                       for pid in group_members(pgid, since)]
+            for pid, _pgid, _since in members:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, sig)
+            stopped += [pid for pid, _, _ in members]
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline and any(
+                    group_members(pgid, since) for pgid, since in read[1]):
+                time.sleep(0.05)
+        self.path.unlink(missing_ok=True)
+        return sorted(set(stopped))
+
+
+def _sentinel(path: str) -> int:
+    """``python -m dsv4_offload.core.procs sweep FILE``, its stdin a pipe from the owner:
+    at EOF (the owner exited, however it did) sweep what the owner left (nothing when it
+    cleaned up: the file is gone)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGINT):
+        signal.signal(sig, signal.SIG_IGN)  # the owner's group may be signalled: not us
+    with contextlib.suppress(OSError):
+        while os.read(0, 4096):
+            pass
+    notes = GroupNotes(Path(path))
+    read = notes.read()
+    if read is not None:
+        deadline = time.monotonic() + 5  # the owner, just dead, may be a zombie a moment
+        while alive(*read[0]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        notes.sweep(5.0)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1:2] == ["sweep"] and len(sys.argv) == 3:
+        sys.exit(_sentinel(sys.argv[2]))
+    sys.stderr.write("usage: python -m dsv4_offload.core.procs sweep FILE\n")
+    sys.exit(2)
