@@ -133,6 +133,36 @@ def test_a_bucket_longer_than_the_servers_chunk_is_skipped_with_how_to_measure_i
     assert note.severity == "warning" and note.message.startswith("bucket 1000 skipped: ")
 
 
+def test_run_serves_with_the_guides_32768_chunk_and_accept_measures_all_five_buckets(
+        tmp_path, no_leftovers):
+    # as `run` does: serve with accept_chunk (registry run_options), then accept with the
+    # recipe's own buckets (130 / 1000 / 8000 / 16000 / 32000), natural prose of our own
+    ws = make_workspace(tmp_path / "ws")
+    overrides = standin_overrides(no_leftovers, free_port(), "--mode", "good") + [
+        "acceptance.throughput.prompt_buckets=[130, 1000, 8000, 16000, 32000]",
+        "acceptance.throughput.new_tokens=8", "acceptance.throughput.repeats=1",
+        "acceptance.throughput.warmup=1", "acceptance.throughput.reference_tok_s=1",
+        "acceptance.throughput.reference_range=[1, 2]", "acceptance.request_timeout_s=60"]
+    started = serve.run(context(ws, overrides, "serve", detach=True, accept_chunk=True))
+    assert started.ok, started.as_dict()
+    try:
+        record = sv.read_record(ws.serve_record)
+        assert record is not None
+        i = record.argv.index("--chunked-prefill-size")
+        assert record.argv[i + 1] == "32768"
+        result = accept.run(context(ws, overrides, "accept"))
+    finally:
+        sv.stop_recorded(ws.serve_record, 3)
+    assert result.status is Status.OK, result.summary
+    tp = _check(result, "decode throughput")["data"]
+    assert (tp["chunk"], tp["chunk_source"]) == (32768, "/get_server_info")
+    buckets = result.data["throughput"]
+    assert [b["target"] for b in buckets] == [130, 1000, 8000, 16000, 32000]
+    for b in buckets:  # measured, never above the bucket, close below it
+        assert "skipped" not in b and b["median"], b
+        assert 0.95 * b["target"] - 30 <= b["prompt_tokens"] <= b["target"], b
+
+
 def test_without_server_info_the_chunk_comes_from_the_serve_record(tmp_path, no_leftovers):
     sets = ["serve.chunked_prefill_size=512", "serve.longest_prompt_tokens=256",
             "acceptance.throughput.prompt_buckets=[130, 1000]"]
@@ -196,8 +226,10 @@ def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_p
 
 def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, no_leftovers):
     slow = ["--token-delay", "0.05"]  # ~20 tok/s
+    # a gated reference (the A3's is; the 910B's is report-only until measured on the pin)
     sets = ["acceptance.throughput.reference_tok_s=100",
-            "acceptance.throughput.reference_range=[100, 120]"]
+            "acceptance.throughput.reference_range=[100, 120]",
+            "acceptance.throughput.report_only=false"]
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *slow, sets=sets)
     assert result.status is Status.FAILED
     problem = _problem(result, "decode throughput")

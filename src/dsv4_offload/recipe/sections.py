@@ -553,8 +553,34 @@ class Throughput(Strict):
     repeats: int = Field(3, gt=0, description="measurements per bucket (the median counts)")
     warmup: int = Field(1, ge=0, description="full generations discarded before each bucket")
     quick_new_tokens: int = Field(64, gt=0, description="accept --quick: tokens per request")
-    reference_tok_s: float = Field(gt=0, description="the delivery's decode speed, tokens/s")
-    reference_range: tuple[float, float] = Field(description="[low, high] tokens/s accepted")
+    reference_tok_s: float = Field(
+        gt=0, description="the delivery's decode speed, tokens/s: the headline, and the "
+        "reference of a bucket reference_by_bucket does not name")
+    reference_range: tuple[float, float] = Field(
+        description="[low, high] tokens/s the delivery publishes (shown with the verdict)")
+    reference_by_bucket: dict[int, float] = Field(
+        {}, description="the delivery's median per bucket (its own table), tokens/s")
+    reference_source: str = Field(
+        "", description="where the reference comes from (file and commit): shown in the report")
+    pass_ratio: float = Field(
+        0.93, gt=0, le=1, description="a bucket's median below this x its reference fails "
+        "(from the spread of the delivery's own table; see the recipe)")
+    warn_ratio: float = Field(
+        1.0, gt=0, le=1.5, description="a median below this x its reference passes with a "
+        "warning")
+    report_only: bool = Field(
+        False, description="measure and show, never fail: for a reference not measured on "
+        "the pinned stack")
+    server_chunk: int = Field(
+        32768, gt=0, description="the chunked prefill `run` starts the server with, so the "
+        "longest bucket fits one chunk (guide §7 L302-307, §8.1: CHUNKED_PREFILL_SIZE=32768)")
+
+    @model_validator(mode="after")
+    def _ratios(self) -> Throughput:
+        if self.pass_ratio > self.warn_ratio:
+            raise ValueError(f"pass_ratio {self.pass_ratio:g} is above warn_ratio "
+                             f"{self.warn_ratio:g}; the failing line must be the lower one")
+        return self
 
 
 class Acceptance(Strict):

@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
+from dsv4_offload.acceptance import throughput as tp
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Check, Problem, StageResult, Status, Task
@@ -87,7 +88,7 @@ def run(ctx: StageContext) -> StageResult:
     quick = bool(ctx.option("quick", False))
     gate = not ctx.option("no_throughput_gate", False)
     checks: list[Check] = []
-    buckets: list[pr.Bucket] = []
+    buckets: list[tp.Bucket] = []
     texts: dict[str, str] = {}
     notes: list[str] = []
     started = time.monotonic()
@@ -198,7 +199,7 @@ def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
 
 def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeRecord | None,
                 log_path: Path | None, quick: bool, gate: bool, chat: bool,
-                task: Task) -> tuple[list[pr.Bucket], Check]:
+                task: Task) -> tuple[list[tp.Bucket], Check]:
     cfg = ctx.recipe.acceptance.throughput
     log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
     chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
@@ -211,22 +212,22 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
         info = client.get_json("/get_server_info") if client.api == "native" else None
         chunk, source = server_chunk(info, record, log_text, chunk)
         context = (info or {}).get("context_length")
-        plan = pr.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
+        plan = tp.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
                        repeats=1 if quick else cfg.repeats,
                        warmup=min(cfg.warmup, 1) if quick else cfg.warmup,
                        chunk=chunk, chunk_source=source,
                        context_length=context if isinstance(context, int) and context > 0
                        else ctx.recipe.serve.context_length)
         step("calibrating the prompt in the server's tokens")
-        calibration = pr.calibrate(client, chunk, chat)
-        buckets = pr.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
+        calibration = tp.calibrate(client, chunk, chat)
+        buckets = tp.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
                                         on_step=step)
-    except (pr.BucketFailed, pr.ServerUnreachable) as exc:
-        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"before the buckets: {exc}"
+    except (tp.BucketFailed, pr.ServerUnreachable) as exc:
+        what = str(exc) if isinstance(exc, tp.BucketFailed) else f"before the buckets: {exc}"
         return [], Check.verdict("decode throughput", False, what,
                                  _with_tail("the server failed under load", log_path),
                                  data={"chunk": chunk, "chunk_source": source})
-    check = pr.check_throughput(buckets, cfg, gate)
+    check = tp.check_throughput(buckets, cfg, gate)
     check.data.update({"chunk": chunk, "chunk_source": source, "quick": quick,
                        "new_tokens": plan.new_tokens, "repeats": plan.repeats,
                        "warmup": plan.warmup, "calibrated": calibration.measured})
@@ -317,7 +318,7 @@ def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> P
 
 
 def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
-            buckets: list[pr.Bucket], log_path: Path | None, notes: list[str],
+            buckets: list[tp.Bucket], log_path: Path | None, notes: list[str],
             seconds: float) -> StageResult:
     acc = ctx.recipe.acceptance
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -326,7 +327,7 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
     problems: list[Problem] = []
     if any(b.tok_s for b in buckets):
         try:
-            chart = pr.write_chart(buckets, report.with_suffix(".png"),
+            chart = tp.write_chart(buckets, report.with_suffix(".png"),
                                    acc.throughput.reference_tok_s,
                                    f"{ctx.recipe.name}: decode tok/s ({url})")
         except ImportError:

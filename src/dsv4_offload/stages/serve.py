@@ -1,7 +1,8 @@
 """Stage `serve`: derive the launch line from recipe and host, start it supervised, wait ready.
 
 Options: ``detach`` (leave a supervisor behind and return once ready; what `run` does),
-``device`` (NPU index), ``longest_prompt`` (tokens), ``host_facts`` (a HostFacts, for
+``device`` (NPU index), ``longest_prompt`` (tokens), ``accept_chunk`` (`run`'s: a chunk
+for accept's longest bucket), ``host_facts`` (a HostFacts, for
 callers that probed already). In the foreground the stage returns when the server exits.
 On a KV-cache or HBM failure it retries down ``serve.gpu_experts_ladder``.
 """
@@ -72,7 +73,7 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
     python, python_origin, python_note = _python(ctx, strict)
     api_key_file = ctx.option("api_key_file") or serve.api_key_file
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
-                      device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
+                      device=ctx.option("device"), longest_prompt=longest_prompt(ctx),
                       gpu_experts=gpu_experts, mem_fraction=mem_fraction,
                       require_layers=strict, python=python, python_origin=python_origin,
                       toolkit=toolkit, toolkit_origin=toolkit_origin,
@@ -87,6 +88,17 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
         if atb is None:
             plan.warnings.append(atb_how)
     return plan
+
+
+def longest_prompt(ctx: StageContext) -> int | None:
+    """--longest-prompt, else, under `run` (accept follows), the chunk accept's longest
+    bucket needs (acceptance.throughput.server_chunk: the guide starts the throughput
+    server with CHUNKED_PREFILL_SIZE=32768, §7 and §8.1)."""
+    given = ctx.option("longest_prompt")
+    if given or not ctx.option("accept_chunk") or inherited_env().get("CHUNKED_PREFILL_SIZE"):
+        return given  # an exported CHUNKED_PREFILL_SIZE is the user's: accept skips with why
+    tp = ctx.recipe.acceptance.throughput
+    return min(tp.server_chunk, ctx.recipe.serve.context_length)
 
 
 def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
