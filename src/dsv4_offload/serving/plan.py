@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.build.interpreter import server_pythonpath
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.serving.extra_args import Needs
+from dsv4_offload.serving.extra_args import check as check_extra
 from dsv4_offload.serving.flags import FLAG_FIELDS, command, sglang_flags
 from dsv4_offload.serving.rules import (
     ENV_KNOBS,
@@ -318,6 +320,18 @@ def _extra_flags(d: _Draft) -> list[str]:
     return extra
 
 
+def _check_extra(d: _Draft, planned: Sequence[str], chunk: int, port: int) -> None:
+    """serve.extra_args and EXTRA_FLAGS against sglang's flags (serving.extra_args)."""
+    if not d.serve.pass_flags:
+        return  # another server's own arguments
+    needs = Needs(page_size=d.serve.page_size, chunk=chunk,
+                  chunk_why=d.origins.get("--chunked-prefill-size", RECIPE), port=port,
+                  planned=frozenset(a for a in planned if a.startswith("--")))
+    d.warnings += check_extra(d.serve.extra_args, lambda _f: "serve.extra_args", needs)
+    d.warnings += check_extra(d.base_env.get("EXTRA_FLAGS", "").split(),
+                              lambda _f: "EXTRA_FLAGS, launcher L278", needs)
+
+
 def _eager_env(d: _Draft, extra: Sequence[str]) -> dict[str, str]:
     """KT_FORCE_SYNC_SUBMIT=1 with --disable-cuda-graph (not the launcher's: guide appendix G).
 
@@ -558,6 +572,7 @@ def build_plan(
                          gpu_experts=experts, pools=pools, threads=threads, chunk=chunk,
                          mem_fraction=fraction, port=port, quantization=quantization,
                          skip_warmup=skip_warmup, api_key=api_key, extra=extra)
+    _check_extra(d, flags[:len(flags) - len(extra)], chunk, port)
     checkpoint_env = _checkpoint_env(d, model_path, weight_path)
     mode_env, mode, mode_reason = _compressor_env(d)
     derived_env = {**checkpoint_env, **mode_env,
