@@ -282,6 +282,8 @@ def main() -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)  # sglang's flag
     parser.add_argument("--context-length", type=int, default=65536)  # sglang's flag
     parser.add_argument("--chunk", type=int, default=None, help="overrides the flag above")
+    parser.add_argument("--swa-size", type=int, default=131072,
+                        help="the SWA pool's tokens its start-up line reports")
     parser.add_argument("--fallback-over", type=int, default=0)
     parser.add_argument("--die-in-stream", type=int, default=0)
     parser.add_argument("--hang-in-stream", type=int, default=0)
@@ -313,10 +315,18 @@ def main() -> int:
               "mem usage=48.32 GB.", flush=True)
         print("[KT_STREAM][depool] reserved ND streaming slot (256, 4096, 4096)+"
               "(256, 2048, 4096) (6.44GB) at model-load time", flush=True)
-        print("SWAC4C128KVPool mem usage: 3.41 GB", flush=True)
+        # the DSv4 NPU pool's two lines in upstream's formats (hybrid_swa_c4_c128_memory_pool.py
+        # @ c00daab0, not the pin: the pinned fork is not stored)
+        print(f"[SWAC4C128KVPool] size=131072, size_swa={args.swa_size}, size_c4=32768, "
+              "size_c128=1024, size_c4_state=1024, size_c128_state=1024", flush=True)
+        print("SWAC4C128KVPool mem usage: 3.41 GB. page_size: 128", flush=True)
         print("KV Cache is allocated. #tokens: 131072, KV size: 3.41 GB", flush=True)
         print("Capture npu graph end. Time elapsed: 0.01 s. mem usage=0.27 GB. "
               "avail mem=8.75 GB.", flush=True)
+        # sglang scheduler's start-up line (fork main @ 7b7e357f scheduler.py:593-600)
+        print(f"max_total_num_tokens=131072, chunked_prefill_size={args.chunk}, "
+              "max_prefill_tokens=65535, max_running_requests=1, context_len=65536, "
+              "available_gpu_mem=8.75 GB", flush=True)
     print("The server is fired up and ready to roll!", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

@@ -370,3 +370,21 @@ def test_the_api_key_goes_into_every_requests_headers(tmp_path: Path):
     assert client.headers()["Authorization"] == "Bearer s3cret"
     with pytest.raises(InputError, match="cannot read the API key file"):
         auth_headers(context(ws, [], "accept", api_key_file=str(tmp_path / "no")), None, "x")
+
+
+def test_a_required_line_not_confirmed_at_the_pin_warns_with_its_source_never_fails():
+    required, _ = _markers()
+    by_name = {m.name: m for m in required}
+    # printed by the patches the tool applies: confirmed, a hard check
+    assert by_name["depool slot reserved"].confirmed
+    assert "0003 patch line 711" in by_name["depool slot reserved"].source
+    for name in ("weights loaded", "KV pool sized", "NPU graph captured"):
+        assert not by_name[name].confirmed and "not the pin" in by_name[name].source
+    checks = {c.name: c for c in check_log_markers("nothing here\n", required, [], "log")}
+    graph = checks["log has 'NPU graph captured'"]
+    assert graph.ok is False and not graph.gate and graph.status == "warn"
+    assert "not confirmed in the pinned source" in graph.fix and "7b7e357f" in graph.fix
+    assert checks["log has 'depool slot reserved'"].status == "fail"
+    # the fork's own text and the guide's both satisfy the graph marker
+    for line in ("Capture cuda graph end. Time elapsed: 9 s", "Capture npu graph end. x"):
+        assert check_log_markers(line, [by_name["NPU graph captured"]], [], "log")[0].ok

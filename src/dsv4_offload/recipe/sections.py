@@ -523,6 +523,11 @@ class LogMarker(Strict):
     when_env: dict[str, str] = Field(
         {}, description="checked only when the server's environment has these values")
     fix: str = Field("", description="what to do when the check fails")
+    source: str = Field("", description="where the text is printed: repository, file, line, "
+                        "commit (the pin, a patch, or upstream: say which)")
+    confirmed: bool = Field(
+        True, description="false: the text is not confirmed in the pinned source (only the "
+        "guide, the fork's other branch or upstream print it); a missing line is a warning")
 
     @model_validator(mode="before")
     @classmethod

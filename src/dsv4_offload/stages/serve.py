@@ -333,6 +333,7 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
                "api_key": bool(plan.api_key_file)}
     problems = [Problem("info", n, check="serve.plan") for n in plan.notes]
     problems += [Problem("warning", w, check="serve.plan") for w in plan.warnings]
+    outputs["startup"] = _startup(ctx, log, problems)
     if warmth and warmth.get("skipped_reason"):
         problems.append(Problem("warning", f"page cache not warmed: {warmth['skipped_reason']}",
                                 fix="free memory (MemAvailable) for the GGUF set: loading "
@@ -370,6 +371,26 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
                                fix=f"read the log: {log}", check="serve.exit")])
     return StageResult(Status.OK, "server ran and exited cleanly", data=outputs, log=str(log),
                        problems=problems)
+
+
+def _startup(ctx: StageContext, log: Path, problems: list[Problem]) -> dict[str, Any]:
+    """HBM left and the KV pools' sizes from the start-up lines, kept in the serve record;
+    a declared prompt the SWA pool cannot admit is a warning with the fix."""
+    from dsv4_offload.serving.startup_log import longest_prompt_warning, startup_facts
+
+    try:
+        facts = startup_facts(log.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return {}
+    record = sv.read_record(ctx.workspace.serve_record)
+    if record is not None and record.log == str(log):
+        record.extra["startup"] = facts
+        sv.write_record(ctx.workspace.serve_record, record)
+    longest = longest_prompt(ctx) or ctx.recipe.serve.longest_prompt_tokens
+    warning = longest_prompt_warning(facts, longest)
+    if warning:
+        problems.append(Problem("warning", warning, check="serve.swa-pool"))
+    return facts
 
 
 def _failed(ctx: StageContext, plan: ServePlan, log: Path, outcome: sv.Readiness,
