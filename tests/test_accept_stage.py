@@ -440,3 +440,23 @@ def test_gpqa_without_evalscope_is_one_line_with_the_install_command(tmp_path):
     assert result.err.strip().splitlines() == [
         "error: accept --gpqa: evalscope is not installed; pip install evalscope "
         "(or set EVALSCOPE=/path/to/evalscope)"]
+
+
+@pytest.mark.parametrize(("args", "cause"), [
+    # the 400 bucket does not fit a 300-token SWA pool: never admitted, no prefill line
+    (["--swa-size", "300"], "no prefill started since the request (earlier requests logged "
+     "theirs): the prompt was never admitted, most likely larger than the SWA KV pool (the "
+     "SWA pool holds 300 tokens)"),
+    # admitted, prefill logged, then nothing within the read timeout
+    (["--slow-prefill-over", "300"], "no token came back, but the prefill started "
+     "(#new-token: "),
+])
+def test_a_long_prompt_with_no_token_names_which_of_the_two_causes(tmp_path, no_leftovers,
+                                                                  args, cause):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *args,
+                                   sets=["acceptance.request_timeout_s=3"])
+    assert result.status is Status.FAILED
+    check = _check(result, "decode throughput")
+    assert check["ok"] is False and check["observed"].startswith("bucket 400")
+    assert cause in check["fix"], check["fix"]
+    assert "the server failed under load" not in check["fix"]

@@ -331,3 +331,17 @@ def test_an_unknown_flag_is_a_warning_naming_the_nearest_and_the_table_source(ws
                for w in plan.warnings)
     assert plan.argv[-6:] == ["--chunked-prefil-size", "8192", "--swa-full-tokens-ratio",
                               "0.5", "--mem-fraction-static", "0.8"]
+
+
+def test_a_fraction_above_the_floor_with_streaming_prefill_warns_citing_the_guide(
+        ws: Workspace):
+    plan = build_plan(load_recipe(), host(), ws, base_env={"MEM_FRACTION": "0.85"})
+    (warning,) = [w for w in plan.warnings if "with streaming prefill on" in w]
+    assert warning.startswith("--mem-fraction-static 0.85 is above 0.81 with streaming "
+                              "prefill on (KT_PREFILL_STREAM=1)")
+    assert "appendix G.1" in warning and "125 s" in warning
+    assert not [w for w in build_plan(load_recipe(), host(), ws, base_env={}).warnings
+                if "streaming prefill" in w]
+    off = build_plan(load_recipe(), host(), ws,
+                     base_env={"MEM_FRACTION": "0.85", "KT_PREFILL_STREAM": "0"})
+    assert not [w for w in off.warnings if "streaming prefill" in w]

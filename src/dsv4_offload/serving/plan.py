@@ -248,6 +248,15 @@ def _mem_fraction(d: _Draft, retry: float | None) -> float:
     if not 0 < fraction < 1:
         raise InputError(f"MEM_FRACTION={fraction:g}: must be between 0 and 1 (default 0.81, "
                          "guide appendix G.1); fix or unset it")
+    if fraction > s.mem_fraction_floor + 1e-9 and d.effective("KT_PREFILL_STREAM") == "1":
+        # guide appendix G.1 (L663-669): 0.85 OOMs a 32k streamed prefill and falls back to
+        # the hybrid path, 0.83 takes 125 s; the headroom above the floor is what the
+        # streaming temporaries use
+        d.warnings.append(
+            f"--mem-fraction-static {fraction:g} is above {s.mem_fraction_floor:g} with "
+            "streaming prefill on (KT_PREFILL_STREAM=1): the guide's A3 table (appendix G.1) "
+            "shows 0.85 failing a 32k prefill into the slow hybrid fallback and 0.83 taking "
+            f"125 s; use {s.mem_fraction_floor:g} unless you measured otherwise")
     if fraction < s.mem_fraction_floor:
         d.warnings.append(
             f"--mem-fraction-static {fraction:g} is below the floor {s.mem_fraction_floor:g}: "

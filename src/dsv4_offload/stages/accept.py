@@ -204,7 +204,10 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
     log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
     chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
 
+    marks = [_log_size(log_path)]  # the log's size when each request of the phase was sent
+
     def step(what: str) -> None:
+        marks.append(_log_size(log_path))
         task.update(description=f"throughput: {what}")
 
     try:
@@ -224,8 +227,10 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
                                         on_step=step)
     except (tp.BucketFailed, pr.ServerUnreachable) as exc:
         what = str(exc) if isinstance(exc, tp.BucketFailed) else f"before the buckets: {exc}"
-        return [], Check.verdict("decode throughput", False, what,
-                                 _with_tail("the server failed under load", log_path),
+        why = "the server failed under load"
+        if "after 0 tokens" in what or "no answer within" in what:
+            why = no_token_cause(log_path, marks[-1], _startup_facts(record))
+        return [], Check.verdict("decode throughput", False, what, _with_tail(why, log_path),
                                  data={"chunk": chunk, "chunk_source": source})
     check = tp.check_throughput(buckets, cfg, gate)
     check.data.update({"chunk": chunk, "chunk_source": source, "quick": quick,
@@ -235,6 +240,56 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
         check.observed += ("; prompt sizes estimated: the server reported no prompt token "
                            "counts")
     return buckets, check
+
+
+def _log_size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _startup_facts(record: sv.ServeRecord | None) -> dict[str, Any]:
+    facts = record.extra.get("startup") if record is not None else None
+    return facts if isinstance(facts, dict) else {}
+
+
+# sglang's scheduler logs each prefill it starts: "Prefill batch, #new-seq: 1, #new-token: N,
+# ..." (fork main @ 7b7e357f scheduler_metrics_mixin.py:174-181, not the pin)
+_PREFILL = re.compile(r"Prefill batch\b.*#new-token: (\d+)")
+
+
+def no_token_cause(log_path: Path | None, since: int, startup: dict[str, Any]) -> str:
+    """Why a request ended with no token: never admitted, or a prefill over the timeout, told
+    apart by the scheduler's prefill lines written since the request was sent."""
+    swa = startup.get("swa_pool_tokens")
+    pool = f" (the SWA pool holds {swa} tokens)" if swa else ""
+    both = ("no token came back. Either the prompt was never admitted: it does not fit the "
+            f"SWA KV pool{pool} and waits (give the pool more: serve.extra_args "
+            "--swa-full-tokens-ratio, or fewer resident experts); or its prefill ran longer "
+            "than acceptance.request_timeout_s (raise it; check the page cache and "
+            "`[KT_STREAM] streaming failed` in the log)")
+    if log_path is None:
+        return both + "; no server log to tell which"
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        with open(log_path, "rb") as fh:
+            fh.seek(since)
+            tail = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return both + "; the server log is unreadable"
+    started = [int(n) for n in _PREFILL.findall(tail)]
+    if started:
+        return (f"no token came back, but the prefill started (#new-token: {max(started)} in "
+                "the log since the request): it ran longer than "
+                "acceptance.request_timeout_s; raise it, and check the page cache and "
+                "`[KT_STREAM] streaming failed` (the slow hybrid fallback) in the log")
+    if _PREFILL.search(text):
+        return ("no token came back and no prefill started since the request (earlier "
+                "requests logged theirs): the prompt was never admitted, most likely larger "
+                f"than the SWA KV pool{pool}; give the pool more (serve.extra_args "
+                "--swa-full-tokens-ratio) or keep fewer resident experts")
+    return both + " (the log has no scheduler prefill lines to tell which)"
 
 
 def _still_answering(ctx: StageContext, client: pr.ServerClient, api: str,
