@@ -353,6 +353,16 @@ with open(calls, "a") as fh:
 n = len(calls.read_text().splitlines())
 scores = os.environ["FAKE_GPQA_SCORES"].split(",")
 score = scores[n - 1]
+if os.environ.get("FAKE_EVALSCOPE_PROBE"):
+    # reach the server the way evalscope's HTTP client does: urllib honours http_proxy and
+    # no_proxy from the environment
+    import urllib.request
+    url = args[args.index("--api-url") + 1].replace("/v1/chat/completions", "/v1/models")
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+    except OSError as exc:
+        print(f"Traceback: {{exc}}", file=sys.stderr)
+        sys.exit(1)
 if score == "fail":
     print("Traceback: connection refused", file=sys.stderr)
     sys.exit(1)
@@ -460,3 +470,30 @@ def test_a_long_prompt_with_no_token_names_which_of_the_two_causes(tmp_path, no_
     assert check["ok"] is False and check["observed"].startswith("bucket 400")
     assert cause in check["fix"], check["fix"]
     assert "the server failed under load" not in check["fix"]
+
+
+def test_gpqa_bypasses_an_exported_proxy_for_the_server(tmp_path, no_leftovers):
+    # an http_proxy pointing at a closed port: every round would fail through it
+    env = {**_fake_evalscope(tmp_path, "0.70,0.71"), "FAKE_EVALSCOPE_PROBE": "1",
+           "http_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": "example.org"}
+    proc, url, log = _standin_elsewhere(tmp_path, no_leftovers)
+    try:
+        result = _cli_accept(tmp_path, url, "--quick", "--gpqa", "2", "--server-log", str(log),
+                             env=env)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert result.code == 0, result
+    checks = result.json()["data"]["data"]["checks"]
+    gpqa = next(c for c in checks if c["name"] == "GPQA-diamond")
+    assert gpqa["ok"] and gpqa["data"]["rounds"] == [70.0, 71.0], gpqa
+
+
+def test_the_evaluator_env_adds_the_server_and_loopback_to_no_proxy():
+    from dsv4_offload.acceptance.gpqa import evaluator_env
+
+    env = evaluator_env("http://10.1.2.3:8020/v1/chat/completions",
+                        {"http_proxy": "http://proxy:3128", "NO_PROXY": "corp.local"})
+    assert env["NO_PROXY"] == "corp.local,10.1.2.3,localhost,127.0.0.1"
+    assert env["no_proxy"] == "10.1.2.3,localhost,127.0.0.1"
+    assert env["http_proxy"] == "http://proxy:3128"  # kept for everything else

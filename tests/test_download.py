@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -357,3 +358,40 @@ def test_a_w8a8_card_naming_the_same_base_passes(tmp_path: Path, hub: StandinHub
         f"---\nbase_model:\n- {MXFP4_REPO}\n---\n# W8A8\n".encode())
     result = download.run(make_ctx(tmp_path, endpoint=hub.url))
     assert result.status is Status.OK, result.problems
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_loopback_mirror_is_reached_past_an_exported_proxy(
+        tmp_path: Path, hub: StandinHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, dead)
+    monkeypatch.setenv("NO_PROXY", "corp.example")
+    monkeypatch.delenv("no_proxy", raising=False)
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+    assert "added to NO_PROXY/no_proxy" in (tmp_path / "logs").rglob("download.log").__next__(
+        ).read_text()
+    assert os.environ["NO_PROXY"] == "corp.example"  # restored after the stage
+    assert "no_proxy" not in os.environ
+
+
+def test_an_unreachable_mirror_names_the_exported_proxy(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = f"http://user:secret@127.0.0.1:{_closed_port()}"
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, dead)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = make_ctx(tmp_path, endpoint="http://mirror.invalid", which="mxfp4")
+    with pytest.raises(Dsv4Error) as err:
+        download.run(ctx)
+    line = err.value.one_line()
+    assert "a proxy is exported (http_proxy=http://127.0.0.1:" in line
+    assert "secret" not in line  # the proxy's credentials are never shown
+    assert "add its host to NO_PROXY" in line

@@ -13,12 +13,16 @@ fetches nothing. A corrupt file is named, removed, and fetched again on the next
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core import proxies
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
@@ -66,6 +70,37 @@ class DownloadLog:
             fh.write(f"{now_iso()} {text}\n")
 
 
+@contextlib.contextmanager
+def _loopback_bypass(ctx: StageContext, sets: list[str], log: DownloadLog) -> Iterator[None]:
+    """A mirror on loopback is reached directly: its host joins NO_PROXY/no_proxy for the
+    hub clients (they read the process environment), restored afterwards."""
+    hosts = []
+    for name in sets:
+        spec = getattr(ctx.recipe.weights, name)
+        try:
+            host = proxies.host_of(hubs.resolve_endpoint(spec.hub,
+                                                         endpoint_override(ctx, spec.hub)))
+        except InputError:
+            continue  # download_set reports the bad endpoint
+        if proxies.is_loopback(host):
+            hosts.append(host)
+    if not hosts:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("no_proxy", "NO_PROXY")}
+    os.environ.update({k: v for k, v in proxies.bypassing(os.environ, hosts).items()
+                       if k in saved})
+    log.write(f"loopback endpoint: {', '.join(hosts)} added to NO_PROXY/no_proxy")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def requested_sets(ctx: StageContext) -> list[str]:
     which = ctx.option("which")
     if which in (None, "", "all"):
@@ -87,7 +122,7 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     log = DownloadLog(ctx.log_dir / "download.log")
-    with hubs.client_output_to(log.path):
+    with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
     locked = _lock(ctx, reports)
     problems = [p for r in reports for p in r.problems]
@@ -226,8 +261,16 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     else:
         endpoint = hubs.resolve_endpoint(spec.hub, endpoint_override(ctx, spec.hub))
         log.write(f"{name}: listing {spec.hub} {spec.repo_id}@{spec.revision} at {endpoint}")
-        listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision, spec.allow_patterns,
-                                  endpoint)
+        try:
+            listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision,
+                                      spec.allow_patterns, endpoint)
+        except hubs.HubError as exc:
+            said = proxies.hint(os.environ)
+            if said and not proxies.is_loopback(proxies.host_of(endpoint)):
+                exc.hint = f"{exc.hint}; {said} (a mirror it cannot reach: add its host to " \
+                    "NO_PROXY, or unset the proxy)" if exc.hint else said
+            raise
+
         log.write(f"{name}: {len(listing.files)} files, {listing.total_bytes} B, "
                   f"resolved {listing.resolved or '-'}, listing digest {listing.digest()}")
         locked = wlock.read_lock(wlock.lock_path(ctx.workspace.root)).get(
