@@ -324,7 +324,7 @@ def test_x86_dev_recipe_checks_the_build_needs_and_nothing_of_the_npu(
     assert checks["arch"]["status"] == "ok" and checks["numa"]["status"] == "skip"
     assert {"cmake", "g++", "libhwloc", "libnuma", "pkg-config", "hwloc.pc", "py-numpy",
             "py-setuptools"} <= names
-    assert checks["g++"]["required"] == ">= 10.0"  # C++20
+    assert checks["g++"]["required"] == ">= 11.0"  # C++20 and <barrier> (worker_pool.h:17)
     # a captured sysroot cannot import modules: reported as failing, with the install line
     assert checks["py-setuptools"]["status"] == "fail"
     assert "-m pip install 'setuptools>=77'" in checks["py-setuptools"]["fix"]
@@ -355,3 +355,21 @@ def test_doctor_says_which_python_and_why(monkeypatch: pytest.MonkeyPatch,
     check = {c["name"]: c for c in result.data["checks"]}["python"]
     assert check["status"] == "ok"
     assert check["observed"].startswith(f"{sys.executable} (PYTHON_BIN:")
+
+
+def test_a_gcc_10_compiler_fails_doctor_as_kt_kernel_needs_11(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    # the 910B host as captured, with a compiler stand-in reporting gcc 10
+    host = tmp_path / "host"
+    shutil.copytree(HOSTS / "kunpeng920-910b", host, symlinks=True)
+    for tool in ("gcc", "g++"):
+        stand_in = host / "usr/bin" / tool
+        stand_in.write_text("#!/bin/sh\ncat <<'CAPTURED'\n"
+                            f"{tool} (Ubuntu 10.5.0-1ubuntu1~20.04) 10.5.0\nCAPTURED\n")
+        stand_in.chmod(0o755)
+    use_host(monkeypatch, host)
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["gcc"]["status"] == "fail" and checks["gcc"]["observed"] == "10.5.0"
+    assert checks["gcc"]["required"] == ">= 11.0"
+    assert checks["g++"]["status"] == "fail"

@@ -74,6 +74,12 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
 # log pattern -> the fix; first match wins, so the most specific come first; {set_env} is the
 # recipe's CANN set_env.sh (bringup.set_env_hint)
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
+    # kt-kernel is C++20 (CMakeLists.txt:124) and cpu_backend/worker_pool.h:17 includes
+    # <barrier> (ktransformers @ d7b5b49a), which libstdc++ ships from GCC 11
+    (r"barrier: No such file or directory",
+     "the compiler's C++ library has no <barrier> (kt-kernel's cpu_backend/worker_pool.h:17): "
+     "kt-kernel needs GCC 11 or newer; install g++-11 or later (g++-13 on A3) and give it in "
+     "the step's env (CC=gcc-13 CXX=g++-13), then `dsv4-offload build kt-kernel --clean`"),
     # kt-kernel/CMakeLists.txt:225-234 (patched) append +sve/+bf16/+i8mm to the ARM target
     (r"ARM target: -march=\S*\+(sve|bf16|i8mm)",
      "kt-kernel was configured with SVE, BF16 or I8MM, which the Kunpeng-920 lacks (SIGILL, "
