@@ -373,3 +373,58 @@ def test_a_gcc_10_compiler_fails_doctor_as_kt_kernel_needs_11(monkeypatch: pytes
     assert checks["gcc"]["status"] == "fail" and checks["gcc"]["observed"] == "10.5.0"
     assert checks["gcc"]["required"] == ">= 11.0"
     assert checks["g++"]["status"] == "fail"
+
+
+# --- DRAM from the plan: GGUF x 1 with one threadpool, x 2 with several ---------------------
+
+
+def _short_host(tmp_path: Path, fixture: str, gib: int) -> Path:
+    root = tmp_path / fixture
+    shutil.copytree(HOSTS / fixture, root)
+    set_mem_available(root, gib)
+    return root
+
+
+def test_an_8_numa_host_short_of_the_copy_warns_and_offers_one_threadpool(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # 270 GiB: above doctor's 256 recommended, below 2 x 137 GiB + margin for 8 pools
+    use_host(monkeypatch, _short_host(tmp_path, "kunpeng920-910b", 270))
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["memory"]["status"] == "ok"
+    plan = checks["memory-plan"]
+    assert plan["status"] == "warn" and plan["observed"].startswith("8 threadpool(s)")
+    assert "GGUF set 137 GiB x 2 (8 pools" in plan["fix"]  # 43 x 3,422,552,640 B
+    assert "KT_THREADPOOL_COUNT=1 needs 153 GiB" in plan["fix"]
+    assert "memory bandwidth" in plan["fix"]  # the trade-off, the user's choice
+    # the same host with one pool exported: the plan needs the set once
+    monkeypatch.setenv("KT_THREADPOOL_COUNT", "1")
+    checks = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]}
+    assert checks["memory-plan"]["status"] == "ok"
+    assert "x 1 (one pool" in checks["memory-plan"]["observed"]
+
+
+def test_a_1_numa_host_needs_the_gguf_set_once(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    use_host(monkeypatch, _short_host(tmp_path, "a3-1numa", 170))
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    result = doctor.run(context(tmp_path, RECIPE_A3))
+    plan = {c["name"]: c for c in result.data["checks"]}["memory-plan"]
+    assert plan["status"] == "ok" and plan["observed"].startswith("1 threadpool(s): GGUF set")
+
+
+def test_doctor_and_the_serve_plan_agree_on_the_dram_shortfall(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from dsv4_offload.core.host import probe_host as probe
+    from dsv4_offload.serving.plan import build_plan
+
+    root = _short_host(tmp_path, "kunpeng920-910b", 270)
+    use_host(monkeypatch, root)
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    doctor_fix = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]
+                  }["memory-plan"]["fix"]
+    ctx = context(tmp_path)
+    facts = probe(Path("/nonexistent-ws"), root=root)
+    plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env={}, require_layers=False)
+    assert f"DRAM: {doctor_fix}" in plan.warnings

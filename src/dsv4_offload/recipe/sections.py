@@ -685,6 +685,9 @@ class Host(Strict):
     min_cores: int = Field(32, gt=0, description="minimum CPU cores")
     memory_min_gib: float = Field(160, gt=0, description="RAM below which doctor fails")
     memory_recommended_gib: float = Field(256, gt=0, description="RAM below which doctor warns")
+    memory_margin_gib: float = Field(
+        16, ge=0, description="DRAM the plan needs besides the GGUF set (the server's python, "
+        "torch, buffers): added to GGUF x 1 (one threadpool) or x 2 (several)")
     disk_min_gib: float = Field(
         415, gt=0,
         description="free disk in the workspace below which doctor fails")

@@ -35,6 +35,7 @@ from dsv4_offload.serving.rules import (
     chunked_prefill,
     connect_url,
     cpu_threads,
+    dram_advice,
     env_number,
     is_loopback,
     missing_layer_files,
@@ -189,6 +190,16 @@ def _cpu_pools(d: _Draft) -> tuple[int, int]:
             d.warnings.append(f"KT_CPUINFER={threads} takes every core of this {host.cores}-core "
                               "host: the pool thrashes (launcher L124-125); leave headroom")
     return pools, threads
+
+
+def _dram(d: _Draft, pools: int) -> None:
+    """The DRAM this plan needs (GGUF x 1 with one pool, x 2 with several) against the
+    host's MemAvailable; short, a warning with the KT_THREADPOOL_COUNT=1 choice."""
+    if d.host.mem_available_kib is None:
+        return
+    status, said = dram_advice(d.recipe, pools, d.host.mem_available_kib / 2**20)
+    if status != "ok":
+        d.warnings.append(f"DRAM: {said}")
 
 
 def _chunk(d: _Draft, longest_prompt: int | None) -> int:
@@ -563,6 +574,7 @@ def build_plan(
     d = _Draft(recipe, host, workspace, base_env, frozenset(set_keys))
     d.origins.update({flag: d.recipe_origin(name) for flag, name in FLAG_FIELDS.items()})
     pools, threads = _cpu_pools(d)
+    _dram(d, pools)
     chunk = _chunk(d, longest_prompt)
     experts = _gpu_experts(d, gpu_experts)
     fraction = _mem_fraction(d, mem_fraction)

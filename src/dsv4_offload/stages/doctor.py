@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dsv4_offload.core.clock import now_iso
+from dsv4_offload.core.errors import Dsv4Error
 from dsv4_offload.core.host import (
     HostFacts,
     NpuInfo,
@@ -235,6 +236,26 @@ def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
             "conversion peak need ~560 GiB, serving keeps ~415 GiB",
         ))
     return checks
+
+
+def check_memory_plan(recipe: Recipe, facts: HostFacts) -> Check:
+    """DRAM for the plan `serve` will run: the GGUF set once with one threadpool, twice with
+    several (the threadpool count from serving.rules.cpu_threads, as the plan takes it)."""
+    from dsv4_offload.serving.rules import cpu_threads, dram_advice, env_number
+
+    try:
+        exported = env_number(os.environ, "KT_THREADPOOL_COUNT", int)
+        pools, _ = cpu_threads(recipe.serve, facts.numa_nodes, facts.cores,
+                               int(exported) if exported else None)
+    except Dsv4Error:
+        pools = max(1, len(facts.numa_nodes))
+    required = "MemAvailable >= GGUF set x (1 with one threadpool, 2 with several) + margin"
+    if facts.mem_available_kib is None:
+        return Check("memory-plan", SKIP, "MemAvailable unknown", required, "")
+    status, said = dram_advice(recipe, pools, facts.mem_available_kib / KIB_PER_GIB)
+    observed = f"{pools} threadpool(s): " + (said if status == "ok" else said.split(":")[0])
+    return Check("memory-plan", {"ok": OK, "warn": WARN, "fail": FAIL}[status], observed,
+                 required, "" if status == "ok" else said)
 
 
 def check_page_cache(recipe: Recipe, facts: HostFacts) -> Check:
@@ -607,6 +628,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
     checks += check_cross(recipe, facts, binfmt)
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
+        checks.append(check_memory_plan(recipe, facts))
         checks.append(check_serve_bind(recipe))
     if runtime is not None:
         checks += check_runtime(recipe, facts, runtime)
