@@ -219,6 +219,10 @@ class Handler(BaseHTTPRequestHandler):
               "0.00, #running-req: 0, #queue-req: 0, ", flush=True)
         if args.slow_prefill_over and n >= args.slow_prefill_over:
             time.sleep(3600)  # a prefill far slower than the client's read timeout
+        if n >= 512:
+            # sglang/0003's line once residency folds into a streamed prefill (patch L997)
+            print("[KT_STREAM] inline resident: top-32 x 43 layers folded into prefill, "
+                  "share=0.612", flush=True)
         if args.fallback_over and n >= args.fallback_over:
             # the message sglang/0003 logs (kt_stream_prefill.py, patch line 1131)
             print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] [KT_STREAM] streaming failed "

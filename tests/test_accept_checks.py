@@ -388,3 +388,20 @@ def test_a_required_line_not_confirmed_at_the_pin_warns_with_its_source_never_fa
     # the fork's own text and the guide's both satisfy the graph marker
     for line in ("Capture cuda graph end. Time elapsed: 9 s", "Capture npu graph end. x"):
         assert check_log_markers(line, [by_name["NPU graph captured"]], [], "log")[0].ok
+
+
+def test_the_inline_residency_line_is_required_only_after_a_long_streamed_prompt():
+    env = dict(load_recipe().serve.env)
+    acc = load_recipe().acceptance
+    names = [m.name for m in markers_that_apply(acc.log_markers_required, env, 400)]
+    assert "inline residency done" not in names  # nothing above the 512-token threshold
+    (marker,) = [m for m in markers_that_apply(acc.log_markers_required, env, 31500)
+                 if m.name == "inline residency done"]
+    assert marker.confirmed and "0003 patch line 997" in marker.source
+    off = dict(env, KT_DYNAMIC_RESIDENT="0")
+    assert "inline residency done" not in [
+        m.name for m in markers_that_apply(acc.log_markers_required, off, 31500)]
+    line = "[KT_STREAM] inline resident: top-32 x 43 layers folded into prefill, share=0.612"
+    assert check_log_markers(line, [marker], [], "log")[0].ok
+    missing = check_log_markers("nothing", [marker], [], "log")[0]
+    assert missing.status == "fail" and "dynamic residency never completed" in missing.fix

@@ -161,6 +161,8 @@ def test_run_serves_with_the_guides_32768_chunk_and_accept_measures_all_five_buc
     for b in buckets:  # measured, never above the bucket, close below it
         assert "skipped" not in b and b["median"], b
         assert 0.95 * b["target"] - 30 <= b["prompt_tokens"] <= b["target"], b
+    # prompts above KT_PREFILL_STREAM_THRESHOLD were sent: the residency line is required
+    assert _check(result, "log has 'inline residency done'")["ok"]
 
 
 def test_without_server_info_the_chunk_comes_from_the_serve_record(tmp_path, no_leftovers):

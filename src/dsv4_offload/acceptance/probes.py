@@ -447,9 +447,12 @@ def check_determinism(name: str, first: str, second: str) -> Check:
                          "(KT_SIDE_STREAM) or uninitialised buffers")
 
 
-def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str]) -> list[LogMarker]:
-    """The markers whose ``when_env`` holds for the server's environment."""
-    return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())]
+def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str],
+                       longest_prompt: int | None = 0) -> list[LogMarker]:
+    """The markers whose ``when_env`` holds for the server's environment and, unless
+    ``longest_prompt`` is None (not known yet), whose ``after_prompt_tokens`` it reaches."""
+    return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())
+            and (longest_prompt is None or longest_prompt >= m.after_prompt_tokens)]
 
 
 def check_log_markers(log_text: str | None, required: Sequence[LogMarker],

@@ -523,6 +523,9 @@ class LogMarker(Strict):
     when_env: dict[str, str] = Field(
         {}, description="checked only when the server's environment has these values")
     fix: str = Field("", description="what to do when the check fails")
+    after_prompt_tokens: int = Field(
+        0, ge=0, description="checked only when accept sent a prompt at least this long "
+        "(lines only a long prefill prints)")
     source: str = Field("", description="where the text is printed: repository, file, line, "
                         "commit (the pin, a patch, or upstream: say which)")
     confirmed: bool = Field(

@@ -141,6 +141,8 @@ def run(ctx: StageContext) -> StageResult:
         if all(c.name != "server answers" for c in checks):
             checks.append(_still_answering(ctx, client, api, record))
         log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
+        longest = max([b.prompt_tokens or 0 for b in buckets] + [0])
+        required = [m for m in required if longest >= m.after_prompt_tokens]
         checks += pr.check_log_markers(log_text, required, forbidden, str(log_path))
         task.advance()
 
@@ -173,8 +175,9 @@ def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
     keys = {k for m in [*acc.log_markers_required, *acc.log_markers_forbidden]
             for k in m.when_env}
     env = {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
-    return (pr.markers_that_apply(acc.log_markers_required, env),
-            pr.markers_that_apply(acc.log_markers_forbidden, env))
+    # the prompt lengths are known after the traffic: run() drops what they do not reach
+    return (pr.markers_that_apply(acc.log_markers_required, env, None),
+            pr.markers_that_apply(acc.log_markers_forbidden, env, None))
 
 
 def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
