@@ -541,3 +541,16 @@ def test_a_missing_barrier_header_is_diagnosed_as_a_compiler_older_than_gcc_11()
     fix = diagnose(log)
     assert fix is not None and "kt-kernel needs GCC 11 or newer" in fix
     assert "CXX=g++-13" in fix
+
+
+@pytest.mark.parametrize(("line", "package"), [
+    ("ImportError: libhwloc.so.15: cannot open shared object file: No such file or directory",
+     "apt-get install libhwloc15"),
+    ("ImportError: libnuma.so.1: cannot open shared object file: No such file or directory",
+     "apt-get install libnuma1"),
+])
+def test_a_missing_runtime_library_names_the_package(line, package):
+    from dsv4_offload.stages.build import diagnose
+
+    fix = diagnose(f"Traceback (most recent call last):\n{line}\n")
+    assert fix is not None and package in fix

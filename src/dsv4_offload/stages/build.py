@@ -125,6 +125,13 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (r"undefined reference to `?(dlopen|dlsym|dlclose)",
      "sgl_kernel_npu's PTAExtensionOPS lacks -ldl (S248-249): the step's edit adds "
      "${CMAKE_DL_LIBS}; rerun `dsv4-offload build sgl-kernel-npu`"),
+    # the run-time libraries kt_kernel_ext links (guide G78, G105, G620: the 910B image has
+    # no hwloc, and a recreated container loses it)
+    (r"libhwloc\.so\.\d+: cannot open shared object file",
+     "kt-kernel links libhwloc at run time: apt-get install libhwloc15 (yum install hwloc-libs);"
+     " inside the 910B container again after it is recreated"),
+    (r"libnuma\.so\.\d+: cannot open shared object file",
+     "kt-kernel links libnuma at run time: apt-get install libnuma1 (yum install numactl-libs)"),
     (r"libc10\.so: cannot open shared object file",
      "custom_ops links libc10.so: import torch and torch_npu before custom_ops (S203-205)"),
     (r"partially initialized module 'custom_ops'|circular import",
