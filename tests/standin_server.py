@@ -13,7 +13,9 @@ and counts prompt tokens in meta_info / usage. Its token is a word or punctuatio
 every mode: a prompt longer than the chunked prefill (--chunk, else --chunked-prefill-size)
 kills it, as the guide says such prompts fail (G306-310); --fallback-over N logs sglang/0003's
 streaming fallback line for prompts of N tokens or more; --die-in-stream K exits halfway
-through the K-th streamed answer, --hang-in-stream K stops sending there.
+through the K-th streamed answer, --hang-in-stream K stops sending there. --swa-size N: a
+prompt above N tokens is never admitted (no prefill line, no answer); --slow-prefill-over N:
+a prompt of N tokens or more logs its prefill and never answers.
 """
 
 from __future__ import annotations
@@ -207,6 +209,20 @@ class Handler(BaseHTTPRequestHandler):
             print(f"[standin] prompt of {n} tokens is longer than the chunked prefill "
                   f"{args.chunk}: the NSA compressor cannot cross a chunk; exiting", flush=True)
             os._exit(4)
+        if n > args.swa_size:
+            # not admitted: it waits in sglang's queue for SWA slots that never come, and
+            # logs no prefill (issue 24: a prompt the SWA pool cannot hold never starts)
+            time.sleep(3600)
+        # sglang scheduler's line for each prefill it starts (fork main @ 7b7e357f
+        # scheduler_metrics_mixin.py:174-181)
+        print(f"Prefill batch, #new-seq: 1, #new-token: {n}, #cached-token: 0, token usage: "
+              "0.00, #running-req: 0, #queue-req: 0, ", flush=True)
+        if args.slow_prefill_over and n >= args.slow_prefill_over:
+            time.sleep(3600)  # a prefill far slower than the client's read timeout
+        if n >= 512:
+            # sglang/0003's line once residency folds into a streamed prefill (patch L997)
+            print("[KT_STREAM] inline resident: top-32 x 43 layers folded into prefill, "
+                  "share=0.612", flush=True)
         if args.fallback_over and n >= args.fallback_over:
             # the message sglang/0003 logs (kt_stream_prefill.py, patch line 1131)
             print(f"[{time.strftime('%Y-%m-%d %H:%M:%S')}] [KT_STREAM] streaming failed "
@@ -282,6 +298,10 @@ def main() -> int:
     parser.add_argument("--chunked-prefill-size", type=int, default=8192)  # sglang's flag
     parser.add_argument("--context-length", type=int, default=65536)  # sglang's flag
     parser.add_argument("--chunk", type=int, default=None, help="overrides the flag above")
+    parser.add_argument("--swa-size", type=int, default=131072,
+                        help="the SWA pool's tokens: a longer prompt is never admitted")
+    parser.add_argument("--slow-prefill-over", type=int, default=0,
+                        help="a prompt this long starts its prefill and never ends it")
     parser.add_argument("--fallback-over", type=int, default=0)
     parser.add_argument("--die-in-stream", type=int, default=0)
     parser.add_argument("--hang-in-stream", type=int, default=0)
@@ -323,10 +343,18 @@ def main() -> int:
               "mem usage=48.32 GB.", flush=True)
         print("[KT_STREAM][depool] reserved ND streaming slot (256, 4096, 4096)+"
               "(256, 2048, 4096) (6.44GB) at model-load time", flush=True)
-        print("SWAC4C128KVPool mem usage: 3.41 GB", flush=True)
+        # the DSv4 NPU pool's two lines in upstream's formats (hybrid_swa_c4_c128_memory_pool.py
+        # @ c00daab0, not the pin: the pinned fork is not stored)
+        print(f"[SWAC4C128KVPool] size=131072, size_swa={args.swa_size}, size_c4=32768, "
+              "size_c128=1024, size_c4_state=1024, size_c128_state=1024", flush=True)
+        print("SWAC4C128KVPool mem usage: 3.41 GB. page_size: 128", flush=True)
         print("KV Cache is allocated. #tokens: 131072, KV size: 3.41 GB", flush=True)
         print("Capture npu graph end. Time elapsed: 0.01 s. mem usage=0.27 GB. "
               "avail mem=8.75 GB.", flush=True)
+        # sglang scheduler's start-up line (fork main @ 7b7e357f scheduler.py:593-600)
+        print(f"max_total_num_tokens=131072, chunked_prefill_size={args.chunk}, "
+              "max_prefill_tokens=65535, max_running_requests=1, context_len=65536, "
+              "available_gpu_mem=8.75 GB", flush=True)
     print("The server is fired up and ready to roll!", flush=True)
     try:
         server.serve_forever(poll_interval=0.1)

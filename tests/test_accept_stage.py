@@ -133,6 +133,38 @@ def test_a_bucket_longer_than_the_servers_chunk_is_skipped_with_how_to_measure_i
     assert note.severity == "warning" and note.message.startswith("bucket 1000 skipped: ")
 
 
+def test_run_serves_with_the_guides_32768_chunk_and_accept_measures_all_five_buckets(
+        tmp_path, no_leftovers):
+    # as `run` does: serve with accept_chunk (registry run_options), then accept with the
+    # recipe's own buckets (130 / 1000 / 8000 / 16000 / 32000), natural prose of our own
+    ws = make_workspace(tmp_path / "ws")
+    overrides = standin_overrides(no_leftovers, free_port(), "--mode", "good") + [
+        "acceptance.throughput.prompt_buckets=[130, 1000, 8000, 16000, 32000]",
+        "acceptance.throughput.new_tokens=8", "acceptance.throughput.repeats=1",
+        "acceptance.throughput.warmup=1", "acceptance.throughput.reference_tok_s=1",
+        "acceptance.throughput.reference_range=[1, 2]", "acceptance.request_timeout_s=60"]
+    started = serve.run(context(ws, overrides, "serve", detach=True, accept_chunk=True))
+    assert started.ok, started.as_dict()
+    try:
+        record = sv.read_record(ws.serve_record)
+        assert record is not None
+        i = record.argv.index("--chunked-prefill-size")
+        assert record.argv[i + 1] == "32768"
+        result = accept.run(context(ws, overrides, "accept"))
+    finally:
+        sv.stop_recorded(ws.serve_record, 3)
+    assert result.status is Status.OK, result.summary
+    tp = _check(result, "decode throughput")["data"]
+    assert (tp["chunk"], tp["chunk_source"]) == (32768, "/get_server_info")
+    buckets = result.data["throughput"]
+    assert [b["target"] for b in buckets] == [130, 1000, 8000, 16000, 32000]
+    for b in buckets:  # measured, never above the bucket, close below it
+        assert "skipped" not in b and b["median"], b
+        assert 0.95 * b["target"] - 30 <= b["prompt_tokens"] <= b["target"], b
+    # prompts above KT_PREFILL_STREAM_THRESHOLD were sent: the residency line is required
+    assert _check(result, "log has 'inline residency done'")["ok"]
+
+
 def test_without_server_info_the_chunk_comes_from_the_serve_record(tmp_path, no_leftovers):
     sets = ["serve.chunked_prefill_size=512", "serve.longest_prompt_tokens=256",
             "acceptance.throughput.prompt_buckets=[130, 1000]"]
@@ -196,8 +228,10 @@ def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_p
 
 def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, no_leftovers):
     slow = ["--token-delay", "0.05"]  # ~20 tok/s
+    # a gated reference (the A3's is; the 910B's is report-only until measured on the pin)
     sets = ["acceptance.throughput.reference_tok_s=100",
-            "acceptance.throughput.reference_range=[100, 120]"]
+            "acceptance.throughput.reference_range=[100, 120]",
+            "acceptance.throughput.report_only=false"]
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *slow, sets=sets)
     assert result.status is Status.FAILED
     problem = _problem(result, "decode throughput")
@@ -321,6 +355,16 @@ with open(calls, "a") as fh:
 n = len(calls.read_text().splitlines())
 scores = os.environ["FAKE_GPQA_SCORES"].split(",")
 score = scores[n - 1]
+if os.environ.get("FAKE_EVALSCOPE_PROBE"):
+    # reach the server the way evalscope's HTTP client does: urllib honours http_proxy and
+    # no_proxy from the environment
+    import urllib.request
+    url = args[args.index("--api-url") + 1].replace("/v1/chat/completions", "/v1/models")
+    try:
+        urllib.request.urlopen(url, timeout=5).read()
+    except OSError as exc:
+        print(f"Traceback: {{exc}}", file=sys.stderr)
+        sys.exit(1)
 if score == "fail":
     print("Traceback: connection refused", file=sys.stderr)
     sys.exit(1)
@@ -408,3 +452,50 @@ def test_gpqa_without_evalscope_is_one_line_with_the_install_command(tmp_path):
     assert result.err.strip().splitlines() == [
         "error: accept --gpqa: evalscope is not installed; pip install evalscope "
         "(or set EVALSCOPE=/path/to/evalscope)"]
+
+
+@pytest.mark.parametrize(("args", "cause"), [
+    # the 400 bucket does not fit a 300-token SWA pool: never admitted, no prefill line
+    (["--swa-size", "300"], "no prefill started since the request (earlier requests logged "
+     "theirs): the prompt was never admitted, most likely larger than the SWA KV pool (the "
+     "SWA pool holds 300 tokens)"),
+    # admitted, prefill logged, then nothing within the read timeout
+    (["--slow-prefill-over", "300"], "no token came back, but the prefill started "
+     "(#new-token: "),
+])
+def test_a_long_prompt_with_no_token_names_which_of_the_two_causes(tmp_path, no_leftovers,
+                                                                  args, cause):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *args,
+                                   sets=["acceptance.request_timeout_s=3"])
+    assert result.status is Status.FAILED
+    check = _check(result, "decode throughput")
+    assert check["ok"] is False and check["observed"].startswith("bucket 400")
+    assert cause in check["fix"], check["fix"]
+    assert "the server failed under load" not in check["fix"]
+
+
+def test_gpqa_bypasses_an_exported_proxy_for_the_server(tmp_path, no_leftovers):
+    # an http_proxy pointing at a closed port: every round would fail through it
+    env = {**_fake_evalscope(tmp_path, "0.70,0.71"), "FAKE_EVALSCOPE_PROBE": "1",
+           "http_proxy": f"http://127.0.0.1:{free_port()}", "no_proxy": "example.org"}
+    proc, url, log = _standin_elsewhere(tmp_path, no_leftovers)
+    try:
+        result = _cli_accept(tmp_path, url, "--quick", "--gpqa", "2", "--server-log", str(log),
+                             env=env)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    assert result.code == 0, result
+    checks = result.json()["data"]["data"]["checks"]
+    gpqa = next(c for c in checks if c["name"] == "GPQA-diamond")
+    assert gpqa["ok"] and gpqa["data"]["rounds"] == [70.0, 71.0], gpqa
+
+
+def test_the_evaluator_env_adds_the_server_and_loopback_to_no_proxy():
+    from dsv4_offload.acceptance.gpqa import evaluator_env
+
+    env = evaluator_env("http://10.1.2.3:8020/v1/chat/completions",
+                        {"http_proxy": "http://proxy:3128", "NO_PROXY": "corp.local"})
+    assert env["NO_PROXY"] == "corp.local,10.1.2.3,localhost,127.0.0.1"
+    assert env["no_proxy"] == "10.1.2.3,localhost,127.0.0.1"
+    assert env["http_proxy"] == "http://proxy:3128"  # kept for everything else

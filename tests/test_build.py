@@ -530,3 +530,27 @@ def test_platform_compiler_is_kt_kernels_alone(ws: Path, monkeypatch: pytest.Mon
     result = build.run(ctx)
     assert result.ok, result.problems
     assert (ws / KT / "cc-seen.txt").read_text().split(" ", 1)[0] == "gcc-13"
+
+
+def test_a_missing_barrier_header_is_diagnosed_as_a_compiler_older_than_gcc_11():
+    from dsv4_offload.stages.build import diagnose
+
+    log = ("In file included from /ws/ktransformers/kt-kernel/cpu_backend/worker_pool.cpp:10:\n"
+           "/ws/ktransformers/kt-kernel/cpu_backend/worker_pool.h:17:10: fatal error: barrier: "
+           "No such file or directory\n   17 | #include <barrier>\ncompilation terminated.\n")
+    fix = diagnose(log)
+    assert fix is not None and "kt-kernel needs GCC 11 or newer" in fix
+    assert "CXX=g++-13" in fix
+
+
+@pytest.mark.parametrize(("line", "package"), [
+    ("ImportError: libhwloc.so.15: cannot open shared object file: No such file or directory",
+     "apt-get install libhwloc15"),
+    ("ImportError: libnuma.so.1: cannot open shared object file: No such file or directory",
+     "apt-get install libnuma1"),
+])
+def test_a_missing_runtime_library_names_the_package(line, package):
+    from dsv4_offload.stages.build import diagnose
+
+    fix = diagnose(f"Traceback (most recent call last):\n{line}\n")
+    assert fix is not None and package in fix

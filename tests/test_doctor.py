@@ -36,6 +36,13 @@ def use_host(monkeypatch: pytest.MonkeyPatch, root: Path) -> None:
     monkeypatch.delenv("ASCEND_HOME_PATH", raising=False)
 
 
+def as_in_the_image(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Doctor as `container exec -- doctor` runs it: inside the 910B image, where the build's
+    toolchain rows are judged (the captured hosts carry a toolchain). Outside, the 910B
+    recipe shows those rows as the image's (test_a_bare_910b_host_is_not_judged_…)."""
+    monkeypatch.setenv("DSV4_IN_CONTAINER", "dsv4_singlecard")
+
+
 # the host verdicts below bind loopback; the default 0.0.0.0 bind warning has its own test
 LOOPBACK = ["serve.host=127.0.0.1"]
 
@@ -71,6 +78,7 @@ def statuses(checks: dict[str, dict[str, str]]) -> dict[str, str]:
 
 def test_healthy_kunpeng_910b_passes_on_the_idle_npu(monkeypatch: pytest.MonkeyPatch,
                                                      tmp_path: Path) -> None:
+    as_in_the_image(monkeypatch)
     result, checks = run_on(monkeypatch, tmp_path, "kunpeng920-910b")
     assert result.status is Status.OK, result.problems
     assert checks.pop("python")["status"] == "skip"  # only the live host's pythons are probed
@@ -123,6 +131,7 @@ def test_a_cpu_without_fp16_arithmetic_fails(tmp_path: Path) -> None:
 
 def test_x86_without_npu_fails_on_arch_and_npu(monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path) -> None:
+    as_in_the_image(monkeypatch)
     result, checks = run_on(monkeypatch, tmp_path, "x86-no-npu")
     assert result.status is Status.FAILED
     assert checks["arch"]["status"] == "fail" and checks["arch"]["observed"].startswith("x86_64")
@@ -141,6 +150,7 @@ def test_x86_without_npu_fails_on_arch_and_npu(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_bad_npu_fails_with_the_fix(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    as_in_the_image(monkeypatch)
     result, checks = run_on(monkeypatch, tmp_path, "npu-bad-state")
     assert result.status is Status.FAILED
     health = checks["npu-health"]
@@ -276,6 +286,7 @@ def test_numa_node_ids_with_a_hole_warn(monkeypatch: pytest.MonkeyPatch, tmp_pat
 def test_libnuma_needs_its_header_as_the_build_does(monkeypatch: pytest.MonkeyPatch,
                                                    tmp_path: Path) -> None:
     """issue 21: the .so alone passed, and the kt-kernel build then stopped on numa.h."""
+    as_in_the_image(monkeypatch)
     root = edited_host(tmp_path)
     (root / "usr/include/numa.h").unlink()
     assert any((root / "usr/lib/aarch64-linux-gnu").glob("libnuma.so*"))
@@ -379,7 +390,7 @@ def test_x86_dev_recipe_checks_the_build_needs_and_nothing_of_the_npu(
     assert checks["arch"]["status"] == "ok" and checks["numa"]["status"] == "skip"
     assert {"cmake", "g++", "libhwloc", "libnuma", "pkg-config", "hwloc.pc", "py-numpy",
             "py-setuptools"} <= names
-    assert checks["g++"]["required"] == ">= 10.0"  # C++20
+    assert checks["g++"]["required"] == ">= 11.0"  # C++20 and <barrier> (worker_pool.h:17)
     # a captured sysroot cannot import modules: reported as failing, with the install line
     assert checks["py-setuptools"]["status"] == "fail"
     assert "-m pip install 'setuptools>=77'" in checks["py-setuptools"]["fix"]
@@ -439,3 +450,77 @@ def test_a_bare_910b_host_is_not_judged_on_what_only_the_image_needs() -> None:
     failed = {c.name for c in doctor.evaluate(on_host, bare, runtime=outside)[0]
               if c.status == doctor.FAIL}
     assert {"python", "cmake", "gcc", "cann"} <= failed
+
+
+def test_a_gcc_10_compiler_fails_doctor_as_kt_kernel_needs_11(monkeypatch: pytest.MonkeyPatch,
+                                                             tmp_path: Path) -> None:
+    as_in_the_image(monkeypatch)
+    # the 910B host as captured, with a compiler stand-in reporting gcc 10
+    host = tmp_path / "host"
+    shutil.copytree(HOSTS / "kunpeng920-910b", host, symlinks=True)
+    for tool in ("gcc", "g++"):
+        stand_in = host / "usr/bin" / tool
+        stand_in.write_text("#!/bin/sh\ncat <<'CAPTURED'\n"
+                            f"{tool} (Ubuntu 10.5.0-1ubuntu1~20.04) 10.5.0\nCAPTURED\n")
+        stand_in.chmod(0o755)
+    use_host(monkeypatch, host)
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["gcc"]["status"] == "fail" and checks["gcc"]["observed"] == "10.5.0"
+    assert checks["gcc"]["required"] == ">= 11.0"
+    assert checks["g++"]["status"] == "fail"
+
+
+# --- DRAM from the plan: GGUF x 1 with one threadpool, x 2 with several ---------------------
+
+
+def _short_host(tmp_path: Path, fixture: str, gib: int) -> Path:
+    root = tmp_path / fixture
+    shutil.copytree(HOSTS / fixture, root)
+    set_mem_available(root, gib)
+    return root
+
+
+def test_an_8_numa_host_short_of_the_copy_warns_and_offers_one_threadpool(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # 270 GiB: above doctor's 256 recommended, below 2 x 137 GiB + margin for 8 pools
+    use_host(monkeypatch, _short_host(tmp_path, "kunpeng920-910b", 270))
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    result = doctor.run(context(tmp_path))
+    checks = {c["name"]: c for c in result.data["checks"]}
+    assert checks["memory"]["status"] == "ok"
+    plan = checks["memory-plan"]
+    assert plan["status"] == "warn" and plan["observed"].startswith("8 threadpool(s)")
+    assert "GGUF set 137 GiB x 2 (8 pools" in plan["fix"]  # 43 x 3,422,552,640 B
+    assert "KT_THREADPOOL_COUNT=1 needs 153 GiB" in plan["fix"]
+    assert "memory bandwidth" in plan["fix"]  # the trade-off, the user's choice
+    # the same host with one pool exported: the plan needs the set once
+    monkeypatch.setenv("KT_THREADPOOL_COUNT", "1")
+    checks = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]}
+    assert checks["memory-plan"]["status"] == "ok"
+    assert "x 1 (one pool" in checks["memory-plan"]["observed"]
+
+
+def test_a_1_numa_host_needs_the_gguf_set_once(monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path) -> None:
+    use_host(monkeypatch, _short_host(tmp_path, "a3-1numa", 170))
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    result = doctor.run(context(tmp_path, RECIPE_A3))
+    plan = {c["name"]: c for c in result.data["checks"]}["memory-plan"]
+    assert plan["status"] == "ok" and plan["observed"].startswith("1 threadpool(s): GGUF set")
+
+
+def test_doctor_and_the_serve_plan_agree_on_the_dram_shortfall(monkeypatch: pytest.MonkeyPatch,
+                                                               tmp_path: Path) -> None:
+    from dsv4_offload.core.host import probe_host as probe
+    from dsv4_offload.serving.plan import build_plan
+
+    root = _short_host(tmp_path, "kunpeng920-910b", 270)
+    use_host(monkeypatch, root)
+    monkeypatch.delenv("KT_THREADPOOL_COUNT", raising=False)
+    doctor_fix = {c["name"]: c for c in doctor.run(context(tmp_path)).data["checks"]
+                  }["memory-plan"]["fix"]
+    ctx = context(tmp_path)
+    facts = probe(Path("/nonexistent-ws"), root=root)
+    plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env={}, require_layers=False)
+    assert f"DRAM: {doctor_fix}" in plan.warnings

@@ -15,13 +15,15 @@ HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 SCRIPT = Path(sys.executable).parent / "dsv4-offload"
 
 
-def doctor(tmp_path: Path, *args: str, host: str | None = None
+def doctor(tmp_path: Path, *args: str, host: str | None = None, in_image: bool = False
            ) -> subprocess.CompletedProcess[str]:
     if not SCRIPT.exists():
         pytest.skip(f"no console script at {SCRIPT} (install the project into this venv)")
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("DSV4_", "ASCEND_"))}
     env["COLUMNS"] = "240"  # wide enough that rich does not fold words inside table cells
+    if in_image:  # as `container exec -- doctor` runs it: the build's toolchain is judged here
+        env["DSV4_IN_CONTAINER"] = "dsv4_singlecard"
     if host is not None:
         env["DSV4_HOST_ROOT"] = str(HOSTS / host)
         smi = HOSTS / host / "npu-smi-info.txt"
@@ -69,7 +71,7 @@ def test_a3_fixture_warns_and_exits_0(tmp_path: Path) -> None:
 
 
 def test_bad_npu_fixture_exits_1_with_the_fix_in_the_table(tmp_path: Path) -> None:
-    proc = doctor(tmp_path, "doctor", host="npu-bad-state")
+    proc = doctor(tmp_path, "doctor", host="npu-bad-state", in_image=True)
     assert proc.returncode == 1, proc
     out = proc.stdout
     assert "doctor: failed" in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 
@@ -302,3 +303,95 @@ def test_hf_leftover_partials_are_dropped_and_the_file_fetched_whole(tmp_path: P
     assert (weights(ctx, "mxfp4") / SHARD).read_bytes() == data
     assert not leftover.exists()
     assert not list(leftover.parent.rglob("*.incomplete"))
+
+
+# --- the weights lock: resolved revisions, drift, the base model of both sets ---------------
+
+
+def _lock(root: Path) -> dict:
+    return json.loads((root / "weights.lock.json").read_text())
+
+
+def test_download_locks_both_resolved_revisions_and_flags_drift(tmp_path: Path,
+                                                               hub: StandinHub) -> None:
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+    lock = _lock(tmp_path)
+    hf = lock[f"huggingface:{MXFP4_REPO}@main"]
+    assert hf["resolved"] == hub.repos[MXFP4_REPO].commit == hf["identity"]
+    assert hf["base_model"]["name"] == MXFP4_REPO
+    ms = lock[f"modelscope:{W8A8_REPO}@master"]
+    assert ms["identity"] == f"listing:{ms['listing_digest']}"  # ModelScope names no commit
+    # the Hub moves `main` to another commit: the next download refuses, naming both
+    repo = hub.repos[MXFP4_REPO]
+    repo.commit = "b" * 40
+    repo.files["config.json"] = json.dumps({"model_type": "deepseek_v4",
+                                            "num_hidden_layers": 2, "revised": 1}).encode()
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert again.status is Status.FAILED
+    (drift,) = [p for p in again.problems if p.check == "drift"]
+    assert drift.message.startswith(f"mxfp4: {MXFP4_REPO}@main now resolves to {'b' * 40}, "
+                                    f"locked at {'0123456789abcdef' * 2}")
+    assert f"--set weights.mxfp4.revision={hf['resolved']}" in drift.fix
+    assert _lock(tmp_path)[f"huggingface:{MXFP4_REPO}@main"]["resolved"] == hf["resolved"]
+
+
+def test_a_w8a8_set_of_another_base_is_refused_before_conversion(tmp_path: Path,
+                                                                hub: StandinHub) -> None:
+    hub.repos[W8A8_REPO].files["README.md"] = (
+        b"---\nbase_model: deepseek-ai/DeepSeek-V4.1-Flash\nlicense: mit\n---\n# W8A8\n")
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.FAILED
+    (pair,) = [p for p in result.problems if p.check == "pair"]
+    assert pair.message.startswith(
+        "the weight sets are not one model: the W8A8 set names base model "
+        f"deepseek-ai/DeepSeek-V4.1-Flash (README.md base_model), the MXFP4 set is {MXFP4_REPO}")
+    assert "refused before conversion" in pair.message
+    assert result.outputs == {}  # convert, which needs download, cannot start
+    lock = _lock(tmp_path)  # both recorded, for the report
+    assert lock[f"modelscope:{W8A8_REPO}@master"]["base_model"]["name"] == \
+        "deepseek-ai/DeepSeek-V4.1-Flash"
+
+
+def test_a_w8a8_card_naming_the_same_base_passes(tmp_path: Path, hub: StandinHub) -> None:
+    hub.repos[W8A8_REPO].files["README.md"] = (
+        f"---\nbase_model:\n- {MXFP4_REPO}\n---\n# W8A8\n".encode())
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_loopback_mirror_is_reached_past_an_exported_proxy(
+        tmp_path: Path, hub: StandinHub, monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    for var in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY"):
+        monkeypatch.setenv(var, dead)
+    monkeypatch.setenv("NO_PROXY", "corp.example")
+    monkeypatch.delenv("no_proxy", raising=False)
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+    assert "added to NO_PROXY/no_proxy" in (tmp_path / "logs").rglob("download.log").__next__(
+        ).read_text()
+    assert os.environ["NO_PROXY"] == "corp.example"  # restored after the stage
+    assert "no_proxy" not in os.environ
+
+
+def test_an_unreachable_mirror_names_the_exported_proxy(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    dead = f"http://user:secret@127.0.0.1:{_closed_port()}"
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, dead)
+    for var in ("no_proxy", "NO_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    ctx = make_ctx(tmp_path, endpoint="http://mirror.invalid", which="mxfp4")
+    with pytest.raises(Dsv4Error) as err:
+        download.run(ctx)
+    line = err.value.one_line()
+    assert "a proxy is exported (http_proxy=http://127.0.0.1:" in line
+    assert "secret" not in line  # the proxy's credentials are never shown
+    assert "add its host to NO_PROXY" in line

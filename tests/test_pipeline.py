@@ -89,7 +89,9 @@ def test_run_then_rerun_skips_everything(cli, ws: Path, fake_stages_env) -> None
 def test_serve_runs_detached_inside_run(cli, ws: Path, fake_stages_env) -> None:
     res = cli("--json", "-w", str(ws), "run", "--to", "serve", env=fake_stages_env)
     assert res.code == 0, res
-    assert res.json()["data"]["stages"]["serve"]["outputs"]["options"] == ["detach"]
+    # detached, and with a chunk that takes accept's longest bucket (guide §7, §8.1)
+    assert res.json()["data"]["stages"]["serve"]["outputs"]["options"] == ["accept_chunk",
+                                                                          "detach"]
 
 
 def test_killed_run_resumes_from_the_interrupted_stage(cli, ws: Path, fake_stages_env) -> None:

@@ -288,3 +288,60 @@ def test_serve_and_doctor_pick_the_same_card():
     assert chosen is not None
     assert pick_device(cards, None, None, models=recipe.host.npu_models)[0] == str(
         chosen.device_id)
+
+
+# --- serve.extra_args / EXTRA_FLAGS against sglang's server_args table --------------------
+
+
+@pytest.mark.parametrize(("extra", "env", "match"), [
+    (["--chunked-prefill-size", "-1"], "", r"^--chunked-prefill-size -1 \(serve.extra_args\): "
+     r"must be a positive multiple of the page size 128 \(the launcher refuses -1"),
+    ([], "--chunked-prefill-size 4096", r"--chunked-prefill-size 4096 \(EXTRA_FLAGS, launcher "
+     r"L278\) is below the plan's 32768 .*a prompt longer than the chunk fails"),
+    (["--port", "8030"], "", r"--port 8030 \(serve.extra_args\) clashes with the plan's --port "
+     "8020"),
+    (["--nccl-port=8020"], "", r"--nccl-port 8020 .* is the server's own HTTP port"),
+    (["--cuda-graph-max-bs", "two"], "", r"--cuda-graph-max-bs two \(serve.extra_args\): not "
+     "an integer"),
+    (["--swa-full-tokens-ratio"], "", r"--swa-full-tokens-ratio \(serve.extra_args\) needs a "
+     "value"),
+    (["--disable-cuda-graph", "yes"], "", r"--disable-cuda-graph .* takes no value"),
+    (["8192"], "", r"'8192' in serve.extra_args follows no flag"),
+])
+def test_extra_args_with_a_bad_value_are_refused_in_one_line_naming_the_flag(
+        ws: Workspace, extra, env, match):
+    recipe = load_recipe(None, [f"serve.extra_args={extra!r}".replace("'", '"')])
+    with pytest.raises(InputError, match=match) as err:
+        build_plan(recipe, host(), ws, base_env={"EXTRA_FLAGS": env} if env else {},
+                   longest_prompt=32768)
+    assert "\n" not in str(err.value)
+
+
+def test_an_unknown_flag_is_a_warning_naming_the_nearest_and_the_table_source(ws: Workspace):
+    recipe = load_recipe(None, ['serve.extra_args=["--chunked-prefil-size", "8192", '
+                                '"--swa-full-tokens-ratio", "0.5", "--mem-fraction-static", '
+                                '"0.8"]'])
+    plan = build_plan(recipe, host(), ws, base_env={})
+    typo = next(w for w in plan.warnings if w.startswith("--chunked-prefil-size"))
+    assert "did you mean --chunked-prefill-size?" in typo
+    assert "iforgetmyname/sglang @ 7b7e357f" in typo and "not the pin" in typo
+    # a known flag of the right kind passes; one the plan already sets is told
+    assert not any(w.startswith("--swa-full-tokens-ratio") for w in plan.warnings)
+    assert any(w.startswith("--mem-fraction-static (serve.extra_args) repeats a flag")
+               for w in plan.warnings)
+    assert plan.argv[-6:] == ["--chunked-prefil-size", "8192", "--swa-full-tokens-ratio",
+                              "0.5", "--mem-fraction-static", "0.8"]
+
+
+def test_a_fraction_above_the_floor_with_streaming_prefill_warns_citing_the_guide(
+        ws: Workspace):
+    plan = build_plan(load_recipe(), host(), ws, base_env={"MEM_FRACTION": "0.85"})
+    (warning,) = [w for w in plan.warnings if "with streaming prefill on" in w]
+    assert warning.startswith("--mem-fraction-static 0.85 is above 0.81 with streaming "
+                              "prefill on (KT_PREFILL_STREAM=1)")
+    assert "appendix G.1" in warning and "125 s" in warning
+    assert not [w for w in build_plan(load_recipe(), host(), ws, base_env={}).warnings
+                if "streaming prefill" in w]
+    off = build_plan(load_recipe(), host(), ws,
+                     base_env={"MEM_FRACTION": "0.85", "KT_PREFILL_STREAM": "0"})
+    assert not [w for w in off.warnings if "streaming prefill" in w]

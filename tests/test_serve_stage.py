@@ -191,3 +191,38 @@ def test_detached_spec_with_the_server_env_does_not_stay_on_disk(tmp_path, no_le
     assert result.status is Status.OK, result.as_dict()
     assert not ctx.workspace.serve_spec.exists()
     sv.stop_recorded(ctx.workspace.serve_record, 3)
+
+
+def test_ready_reads_hbm_left_and_the_kv_pools_into_the_serve_record(tmp_path, no_leftovers):
+    # the stand-in prints the scheduler's and the DSv4 pool's start-up lines in their formats
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", "--swa-size", "65536",
+                    detach=True)
+    try:
+        result = serve.run(ctx)
+        assert result.status is Status.OK, result.as_dict()
+        record = sv.read_record(ctx.workspace.serve_record)
+        assert record is not None
+        assert record.extra["startup"] == {
+            "available_gpu_mem_gb": 8.75, "max_total_num_tokens": 131072,
+            "kv_pool_tokens": 131072, "swa_pool_tokens": 65536, "kv_pool_gb": 3.41}
+        assert result.outputs["startup"]["swa_pool_tokens"] == 65536
+        assert not [p for p in result.problems if p.check == "serve.swa-pool"]
+    finally:
+        sv.stop_recorded(ctx.workspace.serve_record, 3)
+
+
+def test_a_declared_prompt_longer_than_the_swa_pool_is_a_warning_with_the_fix(tmp_path,
+                                                                            no_leftovers):
+    ctx, _ = _serve(tmp_path, no_leftovers, "--mode", "good", "--swa-size", "9088",
+                    detach=True, longest_prompt=16000)
+    try:
+        result = serve.run(ctx)
+        assert result.status is Status.OK, result.as_dict()
+        (warning,) = [p for p in result.problems if p.check == "serve.swa-pool"]
+        assert warning.severity == "warning"
+        assert warning.message.startswith("the longest declared prompt (16000 tokens) exceeds "
+                                          "the SWA KV pool (9088 tokens")
+        assert "--swa-full-tokens-ratio" in warning.message
+        assert "serve.kt_num_gpu_experts" in warning.message
+    finally:
+        sv.stop_recorded(ctx.workspace.serve_record, 3)

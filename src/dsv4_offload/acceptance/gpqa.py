@@ -12,10 +12,11 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dsv4_offload.core import proxies
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.runner import run_command
 
@@ -86,6 +87,14 @@ class GpqaResult:
         return round(2 * ROUND_SE_PP / math.sqrt(max(1, len(self.scores))), 2)
 
 
+def evaluator_env(api_url: str, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The evaluator's environment: the inherited one with the server's host, localhost and
+    127.0.0.1 in no_proxy/NO_PROXY, as the delivery's script sets before its rounds (an
+    exported http_proxy would otherwise carry every request)."""
+    env = dict(os.environ if base is None else base)
+    return proxies.bypassing(env, [proxies.host_of(api_url), "localhost", "127.0.0.1"])
+
+
 def run_rounds(rounds: int, evalscope: str, model: str, api_url: str, api_key: str,
                out_dir: Path, on_round: Callable[[int], None] | None = None) -> GpqaResult:
     """N rounds, each in its own work dir with its own log; a failed round scores None."""
@@ -98,7 +107,7 @@ def run_rounds(rounds: int, evalscope: str, model: str, api_url: str, api_key: s
         log = out_dir / f"R{i}.log"
         log.unlink(missing_ok=True)  # the round's log alone, not an earlier run's too
         proc = run_command(command(evalscope, model, api_url, api_key, work), log=log,
-                           check=False, secrets=[api_key])
+                           check=False, secrets=[api_key], env=evaluator_env(api_url))
         result.logs.append(str(log))
         result.rounds.append(read_score(work) if proc.returncode == 0 else None)
     return result

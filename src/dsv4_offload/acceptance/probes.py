@@ -10,7 +10,7 @@ import json
 import re
 import time
 import unicodedata
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,34 +20,12 @@ from dsv4_offload.core.results import Check
 if TYPE_CHECKING:
     import requests
 
-    from dsv4_offload.recipe import Degeneration, LogMarker, Probe, Throughput
+    from dsv4_offload.recipe import Degeneration, LogMarker, Probe
 
 # one token per CJK character, word or punctuation mark: good enough to spot repetition
 _TOKEN = re.compile(r"[\u3040-\u30ff\u3400-\u9fff\uac00-\ud7af]|\w+|[^\w\s]")
 _NAN = re.compile(r"(?<![\w])nan(?![\w])", re.I)
 REPLACEMENT_CHAR = "\ufffd"
-# Filler for the throughput prompts: sentences of our own, one cycle of them is the unit the
-# calibration counts in the server's tokens (a cycle always tokenizes the same way).
-_FILLER = (
-    "The survey team walked the old canal from the harbour to the mill and noted every lock.",
-    "Most of the gates still opened, although two of them needed new hinges before winter.",
-    "Farmers along the bank said the water level had dropped a little each dry summer.",
-    "The engineers measured the flow at dawn and again at dusk for a whole week in June.",
-    "A small museum near the bridge keeps the drawings that were made when it was built.",
-    "Children from the village school visited the site and wrote short reports about it.",
-    "The council agreed to repair the towpath first, because walkers use it every day.",
-    "In the final chapter the team listed the costs and the order in which to do the work.",
-)
-_FILLER_QUESTION = ("\n\nQuestion: summarise the passage above in several detailed paragraphs, "
-                    "then list the repairs in the order the team proposed.\nAnswer:")
-
-
-def filler_prompt(sentences: int) -> str:
-    """A prompt of ``sentences`` filler sentences (cycling) and a closing question."""
-    body = " ".join(_FILLER[i % len(_FILLER)] for i in range(max(1, sentences)))
-    return body + _FILLER_QUESTION
-
-
 def api_key_headers(api_key_file: str | Path | None) -> dict[str, str]:
     """The Authorization header for a server started with ``serve --api-key-file FILE``.
 
@@ -469,9 +447,12 @@ def check_determinism(name: str, first: str, second: str) -> Check:
                          "(KT_SIDE_STREAM) or uninitialised buffers")
 
 
-def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str]) -> list[LogMarker]:
-    """The markers whose ``when_env`` holds for the server's environment."""
-    return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())]
+def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str],
+                       longest_prompt: int | None = 0) -> list[LogMarker]:
+    """The markers whose ``when_env`` holds for the server's environment and, unless
+    ``longest_prompt`` is None (not known yet), whose ``after_prompt_tokens`` it reaches."""
+    return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())
+            and (longest_prompt is None or longest_prompt >= m.after_prompt_tokens)]
 
 
 def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
@@ -482,11 +463,18 @@ def check_log_markers(log_text: str | None, required: Sequence[LogMarker],
     checks = []
     for marker in required:
         hit = re.search(marker.pattern, log_text)
+        fix = "" if hit else (marker.fix or "read the server log")
+        if not hit and not marker.confirmed:
+            # a text read from the guide or another tree than the pin: the line may exist
+            # under other words, so its absence is a warning, never a failure
+            fix += (f" (a warning: the text is not confirmed in the pinned source; "
+                    f"{marker.source or 'no source recorded'})")
         checks.append(Check.verdict(f"log has {marker.label}", hit is not None,
                                     _short(_line_at(log_text, hit.start()), 200) if hit else
-                                    f"missing from {source}",
-                                    "" if hit else (marker.fix or "read the server log"),
-                                    {"pattern": marker.pattern}, required="present"))
+                                    f"missing from {source}", fix,
+                                    {"pattern": marker.pattern, "source": marker.source,
+                                     "confirmed": marker.confirmed},
+                                    required="present", gate=marker.confirmed))
     for marker in forbidden:
         hits = list(re.finditer(marker.pattern, log_text))
         checks.append(Check.verdict(f"log without {marker.label}", not hits,
@@ -518,244 +506,3 @@ def _line_at(text: str, pos: int) -> str:
 def _short(text: str, limit: int = 80) -> str:
     flat = " ".join(text.split())
     return repr(flat if len(flat) <= limit else flat[:limit] + "...")
-
-
-# --- throughput --------------------------------------------------------------------------------
-
-
-class BucketFailed(Exception):
-    """A throughput request failed: the bucket, what happened, what the server said."""
-
-    def __init__(self, target: int, what: str) -> None:
-        super().__init__(f"bucket {target} tokens: {what}" if target else what)
-        self.target = target
-
-
-@dataclass
-class Calibration:
-    """Prompt tokens = base + per_cycle * cycles of the filler, measured on the server."""
-
-    base: float
-    per_cycle: float
-    measured: bool  # False: the server gave no token counts; sizes are a guess
-
-    def sentences_for(self, target: int) -> int:
-        """Filler sentences whose prompt stays at or below ``target`` server tokens."""
-        per_sentence = self.per_cycle / len(_FILLER)
-        # two sentences of slack: the count is exact per cycle, sentences differ in length
-        room = target - self.base - 2 * per_sentence
-        return max(1, int(room / per_sentence))
-
-
-def calibrate(client: ServerClient, chunk: int, chat: bool = False) -> Calibration:
-    """Count one and two cycles of the filler in the server's own tokens (1 new token each),
-    never sending more than ``chunk`` tokens."""
-    cycle = len(_FILLER)
-    counts: list[int | None] = []
-    for cycles in (1, 2):
-        if cycles == 2 and (counts[0] is None or 2 * counts[0] > chunk):
-            break
-        reply = client.generate(filler_prompt(cycles * cycle), 1, chat)
-        if not reply.ok:
-            raise BucketFailed(0, f"calibrating the prompt size: HTTP {reply.status} "
-                               f"{reply.error}".rstrip())
-        counts.append(reply.prompt_tokens)
-    if counts[0] is None:
-        # ~1.35 tokens per English word for BPE vocabularies: used only when the server
-        # does not report token counts
-        words = len(filler_prompt(cycle).split())
-        return Calibration(base=0.0, per_cycle=1.35 * words, measured=False)
-    if len(counts) == 1 or counts[1] is None:
-        return Calibration(base=0.0, per_cycle=float(counts[0]), measured=True)  # errs short
-    per_cycle = float(counts[1] - counts[0])
-    return Calibration(base=counts[0] - per_cycle, per_cycle=per_cycle, measured=True)
-
-
-@dataclass
-class Bucket:
-    target: int  # the delivery's bucket (TARGET_TOKENS_LIST)
-    prompt_tokens: int | None  # what the server counted for our prompt
-    runs: list[dict[str, Any]]
-    skipped: str = ""  # why the bucket was not measured
-
-    @property
-    def rates(self) -> list[float]:
-        return [r["tok_s"] for r in self.runs if r.get("tok_s")]
-
-    def stats(self) -> dict[str, float | None]:
-        """mean / median / min / max decode tok/s and mean prefill seconds, the delivery's
-        way (decode_throughput_test.sh L245-246: median = sorted[n // 2])."""
-        xs = sorted(self.rates)
-        pf = [r["ttft_s"] for r in self.runs if r.get("ttft_s") is not None]
-        if not xs:
-            return {"mean": None, "median": None, "min": None, "max": None,
-                    "prefill_s": _round(sum(pf) / len(pf)) if pf else None}
-        return {"mean": _round(sum(xs) / len(xs)), "median": _round(xs[len(xs) // 2]),
-                "min": _round(xs[0]), "max": _round(xs[-1]),
-                "prefill_s": _round(sum(pf) / len(pf)) if pf else None}
-
-    @property
-    def tok_s(self) -> float | None:
-        return self.stats()["median"]
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"target": self.target, "prompt_tokens": self.prompt_tokens,
-                **({"skipped": self.skipped} if self.skipped else {}),
-                **self.stats(), "tok_s": self.tok_s, "runs": self.runs}
-
-
-@dataclass
-class Plan:
-    """What the throughput phase will send: its sizes and the limits they respect."""
-
-    new_tokens: int
-    repeats: int
-    warmup: int
-    chunk: int
-    chunk_source: str
-    context_length: int
-
-    def skip_reason(self, target: int) -> str:
-        if target > self.chunk:
-            return (f"longer than the server's chunked prefill {self.chunk} ({self.chunk_source})"
-                    f"; a longer prompt fails (guide G306-310). To measure it, restart the "
-                    f"server with CHUNKED_PREFILL_SIZE=32768 (`dsv4-offload serve "
-                    f"--longest-prompt {target}`), as the delivery's throughput script requires")
-        if target + self.new_tokens > self.context_length:
-            return (f"prompt + {self.new_tokens} new tokens exceed the context length "
-                    f"{self.context_length}")
-        return ""
-
-
-def measure_throughput(client: ServerClient, plan: Plan, targets: Sequence[int],
-                       calibration: Calibration, chat: bool = False,
-                       on_step: Callable[[str], None] | None = None) -> list[Bucket]:
-    """Per bucket, as decode_throughput_test.sh does: ``warmup`` full generations discarded
-    (L176-181), then ``repeats`` streamed ones timed token by token (L183-237)."""
-    step = on_step or (lambda _msg: None)
-    # sglang honours ignore_eos, so fewer tokens means the request broke off; OpenAI
-    # servers may ignore the field and stop at EOS
-    exact = client.api == "native"
-    buckets = []
-    for target in targets:
-        why = plan.skip_reason(target)
-        if why:
-            buckets.append(Bucket(target, None, [], skipped=why))
-            continue
-        prompt = filler_prompt(calibration.sentences_for(min(target, plan.chunk)))
-        prompt_tokens: int | None = None
-        runs = []
-        which = ""
-        try:
-            for i in range(plan.warmup):
-                which = f"warm-up {i + 1}"
-                step(f"bucket {target}: {which}/{plan.warmup}")
-                # streamed, unlike the script's curl (L179): the same load on the server,
-                # and a hung server is caught by the per-read timeout, not after an hour
-                warm = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
-                _require(warm, target, plan, which, exact)
-                prompt_tokens = warm.prompt_tokens or prompt_tokens
-            if prompt_tokens is None:
-                # a server that does not count tokens in its streams (an OpenAI server
-                # without stream usage): ask once, with one new token
-                which = "counting the prompt"
-                counted = client.generate(prompt, 1, chat)
-                _require(counted, target, plan, which, exact=False)
-                prompt_tokens = counted.prompt_tokens
-            for i in range(plan.repeats):
-                which = f"run {i + 1}"
-                step(f"bucket {target}: {which}/{plan.repeats}")
-                reply = client.stream(prompt, plan.new_tokens, chat, ignore_eos=True)
-                _require(reply, target, plan, which, exact)
-                prompt_tokens = reply.prompt_tokens or prompt_tokens
-                runs.append({"tokens": reply.tokens, "tok_s": _round(reply.decode_tok_s),
-                             "ttft_s": _round(reply.ttft), "seconds": _round(reply.seconds)})
-        except ServerUnreachable as exc:
-            raise BucketFailed(target, f"{which}: {exc}") from None
-        buckets.append(Bucket(target, prompt_tokens, runs))
-    return buckets
-
-
-def _require(reply: Reply, target: int, plan: Plan, which: str, exact: bool) -> None:
-    if not reply.ok:
-        raise BucketFailed(target, f"{which} failed: HTTP {reply.status}"
-                           + (f": {reply.error}" if reply.error else ""))
-    if reply.prompt_tokens and reply.prompt_tokens > plan.chunk:
-        # calibration keeps prompts under the chunk; a server that counts otherwise is a bug
-        raise BucketFailed(target, f"{which}: the server counted {reply.prompt_tokens} prompt "
-                           f"tokens, above its chunk {plan.chunk}")
-    if exact and reply.tokens < plan.new_tokens:
-        raise BucketFailed(target, f"{which}: {reply.tokens} of {plan.new_tokens} tokens with "
-                           "ignore_eos (the generation stopped early)")
-
-
-def check_throughput(buckets: Sequence[Bucket], cfg: Throughput, gate: bool = True) -> Check:
-    measured = [b for b in buckets if b.tok_s]
-    skipped = [b for b in buckets if b.skipped]
-    low, high = cfg.reference_range
-    required = f"median >= {cfg.reference_tok_s:g} tok/s in every bucket ({low:g}-{high:g})"
-    if not measured:
-        why = skipped[0].skipped if skipped else "no bucket produced two streamed tokens"
-        return Check.verdict("decode throughput", False, f"nothing measured: {why}",
-                             "read the server log", required=required, gate=gate)
-    shown = "; ".join(f"{b.target} ({b.prompt_tokens or '?'} tok): median {b.tok_s} "
-                      f"[{b.stats()['min']}-{b.stats()['max']}] tok/s" for b in measured)
-    if skipped:
-        shown += "; skipped: " + ", ".join(str(b.target) for b in skipped)
-    data = {"reference": cfg.reference_tok_s,
-            "skipped": {b.target: b.skipped for b in skipped}}
-    slow = [b for b in measured if (b.tok_s or 0) < cfg.reference_tok_s]
-    if slow:
-        worst = min(slow, key=lambda b: b.tok_s or 0)
-        return Check.verdict("decode throughput", False,
-                             f"bucket {worst.target}: median {worst.tok_s} tok/s, below the "
-                             f"reference {cfg.reference_tok_s:g} ({low:g}-{high:g}); {shown}",
-                             "check the NPU graph capture in the log, KT_CPUINFER/threadpool "
-                             "against the NUMA layout, that nothing else uses the card, and that "
-                             "the GGUF sits in the page cache", data, required=required, gate=gate)
-    fix = "; ".join(f"bucket {b.target} skipped: {b.skipped}" for b in skipped)
-    return Check.verdict("decode throughput", True, shown, fix, data=data, required=required,
-                         gate=gate, warning=bool(skipped))
-
-
-def write_chart(buckets: Sequence[Bucket], path: Path, reference: float, title: str) -> Path:
-    """A PNG of decode tok/s (and TTFT) against prompt length, with the reference line."""
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display on a server
-    import matplotlib.pyplot as plt
-
-    points = [b for b in buckets if b.tok_s is not None]
-    xs = [b.prompt_tokens or b.target for b in points]
-    fig, ax = plt.subplots(figsize=(6.4, 4))
-    ax.plot(xs, [b.tok_s or 0.0 for b in points], marker="o",
-            label="decode tok/s (median)")
-    ax.axhline(reference, color="grey", linestyle="--", label=f"reference {reference:g} tok/s")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("prompt length (tokens)")
-    ax.set_ylabel("decode tok/s")
-    ax.set_ylim(bottom=0)
-    prefill = [(x, b.stats()["prefill_s"]) for x, b in zip(xs, points, strict=True)
-               if b.stats()["prefill_s"] is not None]
-    if prefill:
-        ax2 = ax.twinx()
-        ax2.plot([x for x, _ in prefill], [p or 0.0 for _, p in prefill], marker="s",
-                 color="tab:orange", label="TTFT (s)")
-        ax2.set_ylabel("time to first token (s)")
-        ax2.set_ylim(bottom=0)
-    ax.set_title(title)
-    ax.legend(loc="lower left")
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.png")
-    try:
-        fig.savefig(tmp, dpi=100)
-        tmp.replace(path)
-    finally:
-        plt.close(fig)
-        tmp.unlink(missing_ok=True)  # only there when saving failed
-    return path
-
-
-def _round(value: float | None) -> float | None:
-    return None if value is None else round(value, 3)

@@ -133,8 +133,14 @@ def _print_inside(ctx: typer.Context, sctx: Any) -> str:
 
     if not runs_in_container(sctx.recipe, "serve"):
         return ""
+    from dsv4_offload.core.errors import Dsv4Error
+
     plan = plan_container(sctx.recipe, sctx.workspace)
-    found = find_container(plan.name)
+    try:
+        found = find_container(plan.name)
+    except Dsv4Error as exc:  # no client or no engine: what the host can say is still useful
+        return (f"computed on the host: the container cannot be asked ({exc.one_line()}); the "
+                "image's environment (its CANN set_env, its python) may change values")
     if found is None or found.state != "running":
         return (f"computed on the host: container {plan.name} is not running, and the image's "
                 "environment (its CANN set_env, its python) may change values; "

@@ -54,9 +54,11 @@ STAGES: tuple[StageSpec, ...] = (
     StageSpec(
         "serve",
         ("build", "verify-gguf"),
-        ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template"),
+        ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template",
+         "acceptance.throughput.server_chunk"),
         summary="the hybrid server, supervised",
-        run_options={"detach": True},
+        # `run` goes on to accept: a chunk that takes its longest bucket (guide §7, §8.1)
+        run_options={"detach": True, "accept_chunk": True},
     ),
     StageSpec("accept", ("serve",), ("acceptance",), summary="coherence, log markers, tok/s"),
 )

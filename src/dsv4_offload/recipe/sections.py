@@ -523,6 +523,14 @@ class LogMarker(Strict):
     when_env: dict[str, str] = Field(
         {}, description="checked only when the server's environment has these values")
     fix: str = Field("", description="what to do when the check fails")
+    after_prompt_tokens: int = Field(
+        0, ge=0, description="checked only when accept sent a prompt at least this long "
+        "(lines only a long prefill prints)")
+    source: str = Field("", description="where the text is printed: repository, file, line, "
+                        "commit (the pin, a patch, or upstream: say which)")
+    confirmed: bool = Field(
+        True, description="false: the text is not confirmed in the pinned source (only the "
+        "guide, the fork's other branch or upstream print it); a missing line is a warning")
 
     @model_validator(mode="before")
     @classmethod
@@ -553,8 +561,34 @@ class Throughput(Strict):
     repeats: int = Field(3, gt=0, description="measurements per bucket (the median counts)")
     warmup: int = Field(1, ge=0, description="full generations discarded before each bucket")
     quick_new_tokens: int = Field(64, gt=0, description="accept --quick: tokens per request")
-    reference_tok_s: float = Field(gt=0, description="the delivery's decode speed, tokens/s")
-    reference_range: tuple[float, float] = Field(description="[low, high] tokens/s accepted")
+    reference_tok_s: float = Field(
+        gt=0, description="the delivery's decode speed, tokens/s: the headline, and the "
+        "reference of a bucket reference_by_bucket does not name")
+    reference_range: tuple[float, float] = Field(
+        description="[low, high] tokens/s the delivery publishes (shown with the verdict)")
+    reference_by_bucket: dict[int, float] = Field(
+        {}, description="the delivery's median per bucket (its own table), tokens/s")
+    reference_source: str = Field(
+        "", description="where the reference comes from (file and commit): shown in the report")
+    pass_ratio: float = Field(
+        0.93, gt=0, le=1, description="a bucket's median below this x its reference fails "
+        "(from the spread of the delivery's own table; see the recipe)")
+    warn_ratio: float = Field(
+        1.0, gt=0, le=1.5, description="a median below this x its reference passes with a "
+        "warning")
+    report_only: bool = Field(
+        False, description="measure and show, never fail: for a reference not measured on "
+        "the pinned stack")
+    server_chunk: int = Field(
+        32768, gt=0, description="the chunked prefill `run` starts the server with, so the "
+        "longest bucket fits one chunk (guide §7 L302-307, §8.1: CHUNKED_PREFILL_SIZE=32768)")
+
+    @model_validator(mode="after")
+    def _ratios(self) -> Throughput:
+        if self.pass_ratio > self.warn_ratio:
+            raise ValueError(f"pass_ratio {self.pass_ratio:g} is above warn_ratio "
+                             f"{self.warn_ratio:g}; the failing line must be the lower one")
+        return self
 
 
 class Acceptance(Strict):
@@ -654,6 +688,9 @@ class Host(Strict):
     min_cores: int = Field(32, gt=0, description="minimum CPU cores")
     memory_min_gib: float = Field(160, gt=0, description="RAM below which doctor fails")
     memory_recommended_gib: float = Field(256, gt=0, description="RAM below which doctor warns")
+    memory_margin_gib: float = Field(
+        16, ge=0, description="DRAM the plan needs besides the GGUF set (the server's python, "
+        "torch, buffers): added to GGUF x 1 (one threadpool) or x 2 (several)")
     disk_min_gib: float = Field(
         415, gt=0,
         description="free disk in the workspace below which doctor fails")

@@ -199,9 +199,10 @@ def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None 
         install_timeout=runtime.install_timeout)
 
 
-def inside_container() -> bool:
-    """Whether this process runs in a container (ours says so; docker adds /.dockerenv)."""
-    return bool(os.environ.get(IN_CONTAINER_ENV)) or Path("/.dockerenv").exists()
+def inside_container(root: Path | None = None) -> bool:
+    """Whether this process runs in a container (ours says so; docker adds /.dockerenv), or,
+    for a captured host ``root``, whether that host was one."""
+    return bool(os.environ.get(IN_CONTAINER_ENV)) or ((root or Path("/")) / ".dockerenv").exists()
 
 
 # --- the docker client ----------------------------------------------------------------------

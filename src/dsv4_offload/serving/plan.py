@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.build.interpreter import server_pythonpath
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.serving.extra_args import Needs
+from dsv4_offload.serving.extra_args import check as check_extra
 from dsv4_offload.serving.flags import FLAG_FIELDS, command, sglang_flags
 from dsv4_offload.serving.rules import (
     ENV_KNOBS,
@@ -33,6 +35,7 @@ from dsv4_offload.serving.rules import (
     chunked_prefill,
     connect_url,
     cpu_threads,
+    dram_advice,
     env_number,
     is_loopback,
     missing_layer_files,
@@ -189,6 +192,16 @@ def _cpu_pools(d: _Draft) -> tuple[int, int]:
     return pools, threads
 
 
+def _dram(d: _Draft, pools: int) -> None:
+    """The DRAM this plan needs (GGUF x 1 with one pool, x 2 with several) against the
+    host's MemAvailable; short, a warning with the KT_THREADPOOL_COUNT=1 choice."""
+    if d.host.mem_available_kib is None:
+        return
+    status, said = dram_advice(d.recipe, pools, d.host.mem_available_kib / 2**20)
+    if status != "ok":
+        d.warnings.append(f"DRAM: {said}")
+
+
 def _chunk(d: _Draft, longest_prompt: int | None) -> int:
     """L118 (checked as L33-37 asks): CHUNKED_PREFILL_SIZE, exported or the recipe's.
 
@@ -246,6 +259,15 @@ def _mem_fraction(d: _Draft, retry: float | None) -> float:
     if not 0 < fraction < 1:
         raise InputError(f"MEM_FRACTION={fraction:g}: must be between 0 and 1 (default 0.81, "
                          "guide appendix G.1); fix or unset it")
+    if fraction > s.mem_fraction_floor + 1e-9 and d.effective("KT_PREFILL_STREAM") == "1":
+        # guide appendix G.1 (L663-669): 0.85 OOMs a 32k streamed prefill and falls back to
+        # the hybrid path, 0.83 takes 125 s; the headroom above the floor is what the
+        # streaming temporaries use
+        d.warnings.append(
+            f"--mem-fraction-static {fraction:g} is above {s.mem_fraction_floor:g} with "
+            "streaming prefill on (KT_PREFILL_STREAM=1): the guide's A3 table (appendix G.1) "
+            "shows 0.85 failing a 32k prefill into the slow hybrid fallback and 0.83 taking "
+            f"125 s; use {s.mem_fraction_floor:g} unless you measured otherwise")
     if fraction < s.mem_fraction_floor:
         d.warnings.append(
             f"--mem-fraction-static {fraction:g} is below the floor {s.mem_fraction_floor:g}: "
@@ -316,6 +338,18 @@ def _extra_flags(d: _Draft) -> list[str]:
         d.origins["--disable-cuda-graph"] = (f"{RULE} (SGLANG_NPU_PROFILE_ENABLE=1, "
                                              "launcher L213)")
     return extra
+
+
+def _check_extra(d: _Draft, planned: Sequence[str], chunk: int, port: int) -> None:
+    """serve.extra_args and EXTRA_FLAGS against sglang's flags (serving.extra_args)."""
+    if not d.serve.pass_flags:
+        return  # another server's own arguments
+    needs = Needs(page_size=d.serve.page_size, chunk=chunk,
+                  chunk_why=d.origins.get("--chunked-prefill-size", RECIPE), port=port,
+                  planned=frozenset(a for a in planned if a.startswith("--")))
+    d.warnings += check_extra(d.serve.extra_args, lambda _f: "serve.extra_args", needs)
+    d.warnings += check_extra(d.base_env.get("EXTRA_FLAGS", "").split(),
+                              lambda _f: "EXTRA_FLAGS, launcher L278", needs)
 
 
 def _eager_env(d: _Draft, extra: Sequence[str]) -> dict[str, str]:
@@ -540,6 +574,7 @@ def build_plan(
     d = _Draft(recipe, host, workspace, base_env, frozenset(set_keys))
     d.origins.update({flag: d.recipe_origin(name) for flag, name in FLAG_FIELDS.items()})
     pools, threads = _cpu_pools(d)
+    _dram(d, pools)
     chunk = _chunk(d, longest_prompt)
     experts = _gpu_experts(d, gpu_experts)
     fraction = _mem_fraction(d, mem_fraction)
@@ -558,6 +593,7 @@ def build_plan(
                          gpu_experts=experts, pools=pools, threads=threads, chunk=chunk,
                          mem_fraction=fraction, port=port, quantization=quantization,
                          skip_warmup=skip_warmup, api_key=api_key, extra=extra)
+    _check_extra(d, flags[:len(flags) - len(extra)], chunk, port)
     checkpoint_env = _checkpoint_env(d, model_path, weight_path)
     mode_env, mode, mode_reason = _compressor_env(d)
     derived_env = {**checkpoint_env, **mode_env,

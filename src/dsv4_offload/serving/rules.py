@@ -91,6 +91,42 @@ def cpu_threads(serve: Serve, numa_nodes: Sequence[int], cores: int,
     return pools, threads
 
 
+def dram_need(recipe: Recipe, pools: int) -> tuple[float, str]:
+    """(GiB of DRAM the plan needs, how it adds up) for ``pools`` threadpools.
+
+    With one pool kt-kernel points the experts at the mmapped GGUF; with several it copies
+    each node's slice into anonymous memory (delivery main_repo/0002, moe.hpp), while
+    streaming prefill still reads the GGUF set through the page cache: twice the set.
+    """
+    conv = recipe.conversion
+    gguf = conv.layers * conv.expected_file_bytes / 2**30
+    copies = 1 if pools == 1 else 2
+    margin = recipe.host.memory_margin_gib
+    need = gguf * copies + margin
+    terms = (f"GGUF set {gguf:,.0f} GiB x {copies} "
+             + ("(one pool: the experts read the mmapped set)" if copies == 1 else
+                f"({pools} pools: each node's slice copied into anonymous memory, plus the set "
+                "in the page cache for streaming prefill)")
+             + f" + {margin:g} GiB margin = {need:,.0f} GiB; the GGUF term dominates")
+    return need, terms
+
+
+def dram_advice(recipe: Recipe, pools: int, available_gib: float) -> tuple[str, str]:
+    """('ok' | 'warn' | 'fail', what to say) for the plan's DRAM against MemAvailable."""
+    need, terms = dram_need(recipe, pools)
+    if available_gib >= need:
+        return "ok", terms
+    one, _ = dram_need(recipe, 1)
+    if pools > 1 and available_gib >= one:
+        return "warn", (f"{available_gib:,.0f} GiB available, the plan needs {terms}: the page "
+                        "cache thrashes and prefill takes hundreds of seconds. Your choice: "
+                        f"KT_THREADPOOL_COUNT=1 needs {one:,.0f} GiB (the experts stay in the "
+                        "mmapped set), at the cost of one NUMA node's memory bandwidth for the "
+                        "CPU MoE (slower decode); or free memory")
+    return "fail", (f"{available_gib:,.0f} GiB available, the plan needs {terms}; free memory "
+                    "or use a host with more DRAM")
+
+
 def chunked_prefill(serve: Serve, longest_prompt: int | None) -> int:
     """The recipe's chunk, raised to a page multiple covering the longest declared prompt."""
     longest = longest_prompt or serve.longest_prompt_tokens

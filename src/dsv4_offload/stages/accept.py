@@ -20,6 +20,7 @@ from typing import Any
 
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
+from dsv4_offload.acceptance import throughput as tp
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Check, Problem, StageResult, Status, Task
@@ -92,7 +93,7 @@ def run(ctx: StageContext) -> StageResult:
     quick = bool(ctx.option("quick", False))
     gate = not ctx.option("no_throughput_gate", False)
     checks: list[Check] = []
-    buckets: list[pr.Bucket] = []
+    buckets: list[tp.Bucket] = []
     texts: dict[str, str] = {}
     notes: list[str] = []
     started = time.monotonic()
@@ -144,6 +145,8 @@ def run(ctx: StageContext) -> StageResult:
         if all(c.name != "server answers" for c in checks):
             checks.append(_still_answering(ctx, client, api, record))
         log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
+        longest = max([b.prompt_tokens or 0 for b in buckets] + [0])
+        required = [m for m in required if longest >= m.after_prompt_tokens]
         checks += pr.check_log_markers(log_text, required, forbidden, str(log_path))
         task.advance()
 
@@ -176,8 +179,9 @@ def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
     keys = {k for m in [*acc.log_markers_required, *acc.log_markers_forbidden]
             for k in m.when_env}
     env = {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
-    return (pr.markers_that_apply(acc.log_markers_required, env),
-            pr.markers_that_apply(acc.log_markers_forbidden, env))
+    # the prompt lengths are known after the traffic: run() drops what they do not reach
+    return (pr.markers_that_apply(acc.log_markers_required, env, None),
+            pr.markers_that_apply(acc.log_markers_forbidden, env, None))
 
 
 def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
@@ -202,12 +206,15 @@ def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
 
 def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeRecord | None,
                 log_path: Path | None, quick: bool, gate: bool, chat: bool,
-                task: Task) -> tuple[list[pr.Bucket], Check]:
+                task: Task) -> tuple[list[tp.Bucket], Check]:
     cfg = ctx.recipe.acceptance.throughput
     log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
     chunk, source = ctx.recipe.serve.chunked_prefill_size, "the recipe"
 
+    marks = [_log_size(log_path)]  # the log's size when each request of the phase was sent
+
     def step(what: str) -> None:
+        marks.append(_log_size(log_path))
         task.update(description=f"throughput: {what}")
 
     try:
@@ -215,22 +222,24 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
         info = client.get_json("/get_server_info") if client.api == "native" else None
         chunk, source = server_chunk(info, record, log_text, chunk)
         context = (info or {}).get("context_length")
-        plan = pr.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
+        plan = tp.Plan(new_tokens=cfg.quick_new_tokens if quick else cfg.new_tokens,
                        repeats=1 if quick else cfg.repeats,
                        warmup=min(cfg.warmup, 1) if quick else cfg.warmup,
                        chunk=chunk, chunk_source=source,
                        context_length=context if isinstance(context, int) and context > 0
                        else ctx.recipe.serve.context_length)
         step("calibrating the prompt in the server's tokens")
-        calibration = pr.calibrate(client, chunk, chat)
-        buckets = pr.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
+        calibration = tp.calibrate(client, chunk, chat)
+        buckets = tp.measure_throughput(client, plan, cfg.prompt_buckets, calibration, chat,
                                         on_step=step)
-    except (pr.BucketFailed, pr.ServerUnreachable) as exc:
-        what = str(exc) if isinstance(exc, pr.BucketFailed) else f"before the buckets: {exc}"
-        return [], Check.verdict("decode throughput", False, what,
-                                 _with_tail("the server failed under load", log_path),
+    except (tp.BucketFailed, pr.ServerUnreachable) as exc:
+        what = str(exc) if isinstance(exc, tp.BucketFailed) else f"before the buckets: {exc}"
+        why = "the server failed under load"
+        if "after 0 tokens" in what or "no answer within" in what:
+            why = no_token_cause(log_path, marks[-1], _startup_facts(record))
+        return [], Check.verdict("decode throughput", False, what, _with_tail(why, log_path),
                                  data={"chunk": chunk, "chunk_source": source})
-    check = pr.check_throughput(buckets, cfg, gate)
+    check = tp.check_throughput(buckets, cfg, gate)
     check.data.update({"chunk": chunk, "chunk_source": source, "quick": quick,
                        "new_tokens": plan.new_tokens, "repeats": plan.repeats,
                        "warmup": plan.warmup, "calibrated": calibration.measured})
@@ -238,6 +247,56 @@ def _throughput(ctx: StageContext, client: pr.ServerClient, record: sv.ServeReco
         check.observed += ("; prompt sizes estimated: the server reported no prompt token "
                            "counts")
     return buckets, check
+
+
+def _log_size(path: Path | None) -> int:
+    try:
+        return path.stat().st_size if path else 0
+    except OSError:
+        return 0
+
+
+def _startup_facts(record: sv.ServeRecord | None) -> dict[str, Any]:
+    facts = record.extra.get("startup") if record is not None else None
+    return facts if isinstance(facts, dict) else {}
+
+
+# sglang's scheduler logs each prefill it starts: "Prefill batch, #new-seq: 1, #new-token: N,
+# ..." (fork main @ 7b7e357f scheduler_metrics_mixin.py:174-181, not the pin)
+_PREFILL = re.compile(r"Prefill batch\b.*#new-token: (\d+)")
+
+
+def no_token_cause(log_path: Path | None, since: int, startup: dict[str, Any]) -> str:
+    """Why a request ended with no token: never admitted, or a prefill over the timeout, told
+    apart by the scheduler's prefill lines written since the request was sent."""
+    swa = startup.get("swa_pool_tokens")
+    pool = f" (the SWA pool holds {swa} tokens)" if swa else ""
+    both = ("no token came back. Either the prompt was never admitted: it does not fit the "
+            f"SWA KV pool{pool} and waits (give the pool more: serve.extra_args "
+            "--swa-full-tokens-ratio, or fewer resident experts); or its prefill ran longer "
+            "than acceptance.request_timeout_s (raise it; check the page cache and "
+            "`[KT_STREAM] streaming failed` in the log)")
+    if log_path is None:
+        return both + "; no server log to tell which"
+    try:
+        text = log_path.read_text(encoding="utf-8", errors="replace")
+        with open(log_path, "rb") as fh:
+            fh.seek(since)
+            tail = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return both + "; the server log is unreadable"
+    started = [int(n) for n in _PREFILL.findall(tail)]
+    if started:
+        return (f"no token came back, but the prefill started (#new-token: {max(started)} in "
+                "the log since the request): it ran longer than "
+                "acceptance.request_timeout_s; raise it, and check the page cache and "
+                "`[KT_STREAM] streaming failed` (the slow hybrid fallback) in the log")
+    if _PREFILL.search(text):
+        return ("no token came back and no prefill started since the request (earlier "
+                "requests logged theirs): the prompt was never admitted, most likely larger "
+                f"than the SWA KV pool{pool}; give the pool more (serve.extra_args "
+                "--swa-full-tokens-ratio) or keep fewer resident experts")
+    return both + " (the log has no scheduler prefill lines to tell which)"
 
 
 def _still_answering(ctx: StageContext, client: pr.ServerClient, api: str,
@@ -321,7 +380,7 @@ def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> P
 
 
 def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
-            buckets: list[pr.Bucket], log_path: Path | None, notes: list[str],
+            buckets: list[tp.Bucket], log_path: Path | None, notes: list[str],
             seconds: float) -> StageResult:
     acc = ctx.recipe.acceptance
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -330,7 +389,7 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
     problems: list[Problem] = []
     if any(b.tok_s for b in buckets):
         try:
-            chart = pr.write_chart(buckets, report.with_suffix(".png"),
+            chart = tp.write_chart(buckets, report.with_suffix(".png"),
                                    acc.throughput.reference_tok_s,
                                    f"{ctx.recipe.name}: decode tok/s ({url})")
         except ImportError:

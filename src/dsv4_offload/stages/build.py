@@ -74,6 +74,12 @@ MARKER_HINTS: tuple[tuple[str, str], ...] = (
 # log pattern -> the fix; first match wins, so the most specific come first; {set_env} is the
 # recipe's CANN set_env.sh (bringup.set_env_hint)
 KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
+    # kt-kernel is C++20 (CMakeLists.txt:124) and cpu_backend/worker_pool.h:17 includes
+    # <barrier> (ktransformers @ d7b5b49a), which libstdc++ ships from GCC 11
+    (r"barrier: No such file or directory",
+     "the compiler's C++ library has no <barrier> (kt-kernel's cpu_backend/worker_pool.h:17): "
+     "kt-kernel needs GCC 11 or newer; install g++-11 or later (g++-13 on A3) and give it in "
+     "the step's env (CC=gcc-13 CXX=g++-13), then `dsv4-offload build kt-kernel --clean`"),
     # kt-kernel/CMakeLists.txt:225-234 (patched) append +sve/+bf16/+i8mm to the ARM target
     (r"ARM target: -march=\S*\+(sve|bf16|i8mm)",
      "kt-kernel was configured with SVE, BF16 or I8MM, which the Kunpeng-920 lacks (SIGILL, "
@@ -119,6 +125,13 @@ KNOWN_FAILURES: tuple[tuple[str, str], ...] = (
     (r"undefined reference to `?(dlopen|dlsym|dlclose)",
      "sgl_kernel_npu's PTAExtensionOPS lacks -ldl (S248-249): the step's edit adds "
      "${CMAKE_DL_LIBS}; rerun `dsv4-offload build sgl-kernel-npu`"),
+    # the run-time libraries kt_kernel_ext links (guide G78, G105, G620: the 910B image has
+    # no hwloc, and a recreated container loses it)
+    (r"libhwloc\.so\.\d+: cannot open shared object file",
+     "kt-kernel links libhwloc at run time: apt-get install libhwloc15 (yum install hwloc-libs);"
+     " inside the 910B container again after it is recreated"),
+    (r"libnuma\.so\.\d+: cannot open shared object file",
+     "kt-kernel links libnuma at run time: apt-get install libnuma1 (yum install numactl-libs)"),
     (r"libc10\.so: cannot open shared object file",
      "custom_ops links libc10.so: import torch and torch_npu before custom_ops (S203-205)"),
     (r"partially initialized module 'custom_ops'|circular import",

@@ -11,9 +11,11 @@ import hashlib
 import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.clock import now_iso
+from dsv4_offload.core.errors import Dsv4Error
 from dsv4_offload.core.host import (
     HostFacts,
     NpuInfo,
@@ -241,6 +243,26 @@ def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
             "conversion peak need ~560 GiB, serving keeps ~415 GiB",
         ))
     return checks
+
+
+def check_memory_plan(recipe: Recipe, facts: HostFacts) -> Check:
+    """DRAM for the plan `serve` will run: the GGUF set once with one threadpool, twice with
+    several (the threadpool count from serving.rules.cpu_threads, as the plan takes it)."""
+    from dsv4_offload.serving.rules import cpu_threads, dram_advice, env_number
+
+    try:
+        exported = env_number(os.environ, "KT_THREADPOOL_COUNT", int)
+        pools, _ = cpu_threads(recipe.serve, facts.numa_nodes, facts.cores,
+                               int(exported) if exported else None)
+    except Dsv4Error:
+        pools = max(1, len(facts.numa_nodes))
+    required = "MemAvailable >= GGUF set x (1 with one threadpool, 2 with several) + margin"
+    if facts.mem_available_kib is None:
+        return Check("memory-plan", SKIP, "MemAvailable unknown", required, "")
+    status, said = dram_advice(recipe, pools, facts.mem_available_kib / KIB_PER_GIB)
+    observed = f"{pools} threadpool(s): " + (said if status == "ok" else said.split(":")[0])
+    return Check("memory-plan", {"ok": OK, "warn": WARN, "fail": FAIL}[status], observed,
+                 required, "" if status == "ok" else said)
 
 
 def check_page_cache(recipe: Recipe, facts: HostFacts) -> Check:
@@ -571,7 +593,8 @@ def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     from dsv4_offload.core.host import HOST_ROOT_ENV
     from dsv4_offload.serving import container
 
-    rf = RuntimeFacts(inside=container.inside_container())
+    # a captured host says for itself whether it is a container (its own /.dockerenv)
+    rf = RuntimeFacts(inside=container.inside_container(Path(facts.root)))
     if (recipe.host.docker != "unused" and facts.tools.get("docker")
             and not os.environ.get(HOST_ROOT_ENV)):
         rf.daemon = container.daemon_problem()  # what the container stages will meet
@@ -657,6 +680,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
     checks += check_cross(recipe, facts, binfmt)
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
+        checks.append(check_memory_plan(recipe, facts))
         checks.append(check_serve_bind(recipe))
     if runtime is not None:
         checks += check_runtime(recipe, facts, runtime)

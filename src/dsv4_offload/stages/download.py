@@ -13,16 +13,21 @@ fetches nothing. A corrupt file is named, removed, and fetched again on the next
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core import proxies
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights import hubs
+from dsv4_offload.weights import lock as wlock
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json
 
@@ -65,6 +70,37 @@ class DownloadLog:
             fh.write(f"{now_iso()} {text}\n")
 
 
+@contextlib.contextmanager
+def _loopback_bypass(ctx: StageContext, sets: list[str], log: DownloadLog) -> Iterator[None]:
+    """A mirror on loopback is reached directly: its host joins NO_PROXY/no_proxy for the
+    hub clients (they read the process environment), restored afterwards."""
+    hosts = []
+    for name in sets:
+        spec = getattr(ctx.recipe.weights, name)
+        try:
+            host = proxies.host_of(hubs.resolve_endpoint(spec.hub,
+                                                         endpoint_override(ctx, spec.hub)))
+        except InputError:
+            continue  # download_set reports the bad endpoint
+        if proxies.is_loopback(host):
+            hosts.append(host)
+    if not hosts:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("no_proxy", "NO_PROXY")}
+    os.environ.update({k: v for k, v in proxies.bypassing(os.environ, hosts).items()
+                       if k in saved})
+    log.write(f"loopback endpoint: {', '.join(hosts)} added to NO_PROXY/no_proxy")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def requested_sets(ctx: StageContext) -> list[str]:
     which = ctx.option("which")
     if which in (None, "", "all"):
@@ -86,11 +122,16 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     log = DownloadLog(ctx.log_dir / "download.log")
-    with hubs.client_output_to(log.path):
+    with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
+    locked = _lock(ctx, reports)
     problems = [p for r in reports for p in r.problems]
     data = {r.name: _report_data(ctx, r) for r in reports}
     outputs = _outputs(ctx, reports)
+    pair = _pair_problem(ctx, locked)
+    if pair is not None:
+        return StageResult(Status.FAILED, pair.message.split(";")[0], data=data,
+                           problems=[*problems, pair], log=str(log.path))
     if not all(r.ok for r in reports):
         bad = [r.name for r in reports if not r.ok]
         return StageResult(Status.FAILED, f"weights not complete: {', '.join(bad)}", data=data,
@@ -108,6 +149,50 @@ def run(ctx: StageContext) -> StageResult:
         summary += f" ({fetched / GIB:.2f} GiB fetched)"
     return StageResult(status, summary, data=data, problems=problems, outputs=outputs,
                        log=str(log.path))
+
+
+def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
+    """Record what each verified set resolved to and its base model (weights.lock.json)."""
+    path = wlock.lock_path(ctx.workspace.root)
+    doc = wlock.read_lock(path)
+    for r in reports:
+        listing, spec = r.listing, getattr(ctx.recipe.weights, r.name)
+        if not r.ok or listing is None or listing.endpoint == "local":
+            continue
+        entry_key = wlock.key(listing.hub, listing.repo_id, listing.revision)
+        old = doc.get(entry_key)
+        old = old if isinstance(old, dict) else {}
+        doc[entry_key] = {
+            "set": r.name, "hub": listing.hub, "repo_id": listing.repo_id,
+            "revision": listing.revision, "resolved": listing.resolved,
+            "listing_digest": listing.digest(),
+            "identity": wlock.identity(listing.resolved, listing.digest()),
+            "locked": old.get("locked") or now_iso(),
+            "base_model": wlock.base_model(ctx.workspace.weights_dir(ctx.recipe, r.name),
+                                           spec.repo_id, is_source=r.name == "mxfp4")}
+    if any(r.ok for r in reports):
+        atomic_write_json(path, doc)
+    return doc
+
+
+def _pair_problem(ctx: StageContext, doc: dict[str, Any]) -> Problem | None:
+    """The two sets' base models, as locked for the recipe's repos and revisions, compared."""
+    bases = {}
+    for name in WEIGHT_SETS:
+        spec = getattr(ctx.recipe.weights, name)
+        entry = doc.get(wlock.key(spec.hub, spec.repo_id, spec.revision))
+        if isinstance(entry, dict) and isinstance(entry.get("base_model"), dict):
+            bases[name] = entry["base_model"]
+    if len(bases) < 2:
+        return None
+    why = wlock.mismatch(bases["w8a8"], bases["mxfp4"])
+    if why is None:
+        return None
+    return Problem("error", f"the weight sets are not one model: {why}; refused before "
+                   "conversion (the server would answer garbage with no error)",
+                   fix="use the official W8A8 of this exact model (brief: it shares the "
+                   "quarot base with the MXFP4 experts): pin both weights.*.revision to "
+                   "matching releases", check="pair")
 
 
 def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
@@ -176,10 +261,33 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     else:
         endpoint = hubs.resolve_endpoint(spec.hub, endpoint_override(ctx, spec.hub))
         log.write(f"{name}: listing {spec.hub} {spec.repo_id}@{spec.revision} at {endpoint}")
-        listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision, spec.allow_patterns,
-                                  endpoint)
+        try:
+            listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision,
+                                      spec.allow_patterns, endpoint)
+        except hubs.HubError as exc:
+            said = proxies.hint(os.environ)
+            if said and not proxies.is_loopback(proxies.host_of(endpoint)):
+                exc.hint = f"{exc.hint}; {said} (a mirror it cannot reach: add its host to " \
+                    "NO_PROXY, or unset the proxy)" if exc.hint else said
+            raise
+
         log.write(f"{name}: {len(listing.files)} files, {listing.total_bytes} B, "
                   f"resolved {listing.resolved or '-'}, listing digest {listing.digest()}")
+        locked = wlock.read_lock(wlock.lock_path(ctx.workspace.root)).get(
+            wlock.key(spec.hub, spec.repo_id, spec.revision))
+        was = wlock.drift(locked, wlock.identity(listing.resolved, listing.digest()))
+        if was is not None:
+            report.listing = listing
+            now = listing.resolved or f"a listing with digest {listing.digest()}"
+            report.problems.append(Problem(
+                "error", f"{name}: {spec.repo_id}@{spec.revision} now resolves to {now}, "
+                f"locked at {was} on {locked.get('locked', '?') if locked else '?'} (drift: "
+                "the hub moved; a W8A8 set of one base with MXFP4 experts of another serves "
+                "garbage)", fix=f"keep the locked weights: --set weights.{name}.revision="
+                f"{locked.get('resolved') or was if locked else was}; or move on purpose: "
+                f"pin the new one the same way and download both sets again (the lock is "
+                f"{wlock.lock_path(ctx.workspace.root)})", check="drift"))
+            return report
     report.listing = listing
     if not offline and abs(listing.total_bytes - spec.expected_bytes) > \
             SIZE_TOLERANCE * spec.expected_bytes:

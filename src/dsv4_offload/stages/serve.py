@@ -1,7 +1,8 @@
 """Stage `serve`: derive the launch line from recipe and host, start it supervised, wait ready.
 
 Options: ``detach`` (leave a supervisor behind and return once ready; what `run` does),
-``device`` (NPU index), ``longest_prompt`` (tokens), ``host_facts`` (a HostFacts, for
+``device`` (NPU index), ``longest_prompt`` (tokens), ``accept_chunk`` (`run`'s: a chunk
+for accept's longest bucket), ``host_facts`` (a HostFacts, for
 callers that probed already). In the foreground the stage returns when the server exits.
 On a KV-cache or HBM failure it retries down ``serve.gpu_experts_ladder``.
 """
@@ -81,7 +82,7 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
     python, python_origin, python_note = _python(ctx, strict)
     api_key_file = ctx.option("api_key_file") or serve.api_key_file
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
-                      device=ctx.option("device"), longest_prompt=ctx.option("longest_prompt"),
+                      device=ctx.option("device"), longest_prompt=longest_prompt(ctx),
                       gpu_experts=gpu_experts, mem_fraction=mem_fraction,
                       require_layers=strict, python=python, python_origin=python_origin,
                       toolkit=toolkit, toolkit_origin=toolkit_origin,
@@ -96,6 +97,17 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
         if atb is None:
             plan.warnings.append(atb_how)
     return plan
+
+
+def longest_prompt(ctx: StageContext) -> int | None:
+    """--longest-prompt, else, under `run` (accept follows), the chunk accept's longest
+    bucket needs (acceptance.throughput.server_chunk: the guide starts the throughput
+    server with CHUNKED_PREFILL_SIZE=32768, §7 and §8.1)."""
+    given = ctx.option("longest_prompt")
+    if given or not ctx.option("accept_chunk") or inherited_env().get("CHUNKED_PREFILL_SIZE"):
+        return given  # an exported CHUNKED_PREFILL_SIZE is the user's: accept skips with why
+    tp = ctx.recipe.acceptance.throughput
+    return min(tp.server_chunk, ctx.recipe.serve.context_length)
 
 
 def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
@@ -330,6 +342,7 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
                "api_key": bool(plan.api_key_file)}
     problems = [Problem("info", n, check="serve.plan") for n in plan.notes]
     problems += [Problem("warning", w, check="serve.plan") for w in plan.warnings]
+    outputs["startup"] = _startup(ctx, log, problems)
     if warmth and warmth.get("skipped_reason"):
         problems.append(Problem("warning", f"page cache not warmed: {warmth['skipped_reason']}",
                                 fix="free memory (MemAvailable) for the GGUF set: loading "
@@ -367,6 +380,26 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
                                fix=f"read the log: {log}", check="serve.exit")])
     return StageResult(Status.OK, "server ran and exited cleanly", data=outputs, log=str(log),
                        problems=problems)
+
+
+def _startup(ctx: StageContext, log: Path, problems: list[Problem]) -> dict[str, Any]:
+    """HBM left and the KV pools' sizes from the start-up lines, kept in the serve record;
+    a declared prompt the SWA pool cannot admit is a warning with the fix."""
+    from dsv4_offload.serving.startup_log import longest_prompt_warning, startup_facts
+
+    try:
+        facts = startup_facts(log.read_text(encoding="utf-8", errors="replace"))
+    except OSError:
+        return {}
+    record = sv.read_record(ctx.workspace.serve_record)
+    if record is not None and record.log == str(log):
+        record.extra["startup"] = facts
+        sv.write_record(ctx.workspace.serve_record, record)
+    longest = longest_prompt(ctx) or ctx.recipe.serve.longest_prompt_tokens
+    warning = longest_prompt_warning(facts, longest)
+    if warning:
+        problems.append(Problem("warning", warning, check="serve.swa-pool"))
+    return facts
 
 
 def _failed(ctx: StageContext, plan: ServePlan, log: Path, outcome: sv.Readiness,

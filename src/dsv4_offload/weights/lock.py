@@ -1,0 +1,116 @@
+"""The weights lock: what each weight set's revision resolved to at download, and its base.
+
+Both sets follow moving revisions by default (`main` on the Hub, `master` on ModelScope).
+The first download records, per (hub, repo, revision), the commit it resolved to (the
+Hub's sha; ModelScope names no commit, so its listing digest stands in) and the base model
+its card and config name. A later run that would resolve the same revision differently is
+drift: refused, since a W8A8 set of one base with MXFP4 experts of another serves garbage
+without an error. The two sets' bases are compared before conversion.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+LOCK_FILE = "weights.lock.json"
+# config.json fields that differ between models of another shape: a pair whose configs
+# disagree on one is not one model
+SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "n_routed_experts",
+                  "moe_intermediate_size", "vocab_size")
+
+
+def lock_path(workspace_root: Path) -> Path:
+    return workspace_root / LOCK_FILE
+
+
+def read_lock(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def key(hub: str, repo_id: str, revision: str) -> str:
+    return f"{hub}:{repo_id}@{revision}"
+
+
+def identity(resolved: str | None, listing_digest: str) -> str:
+    """What a revision resolved to: the commit sha, else (ModelScope) the listing digest."""
+    return resolved or f"listing:{listing_digest}"
+
+
+def drift(entry: dict[str, Any] | None, now: str) -> str | None:
+    """The locked identity when ``now`` differs from it, else None."""
+    if not isinstance(entry, dict) or not entry.get("identity"):
+        return None
+    return None if entry["identity"] == now else str(entry["identity"])
+
+
+def base_model(local_dir: Path, repo_id: str, is_source: bool) -> dict[str, Any]:
+    """The base model a set says it comes from: its card's `base_model:` front matter, else
+    config.json's `_name_or_path`, else (the native checkpoint) its own repo; and the config
+    fields that define the model's shape."""
+    config = _json(local_dir / "config.json")
+    name, source = _card_base(local_dir / "README.md"), "README.md base_model"
+    if not name and isinstance(config.get("_name_or_path"), str) \
+            and "/" in config["_name_or_path"]:
+        name, source = config["_name_or_path"], "config.json _name_or_path"
+    if not name and is_source:
+        name, source = repo_id, "the repository itself (the native checkpoint)"
+    signature = {k: config[k] for k in SIGNATURE_KEYS if k in config}
+    return {"name": name or None, "source": source if name else "not stated",
+            "signature": signature}
+
+
+def mismatch(w8a8: dict[str, Any], mxfp4: dict[str, Any]) -> str | None:
+    """Why the two sets are not one model, or None when nothing tells them apart."""
+    a, b = w8a8.get("name"), mxfp4.get("name")
+    if a and b and _norm(a) != _norm(b):
+        return (f"the W8A8 set names base model {a} ({w8a8.get('source')}), the MXFP4 set is "
+                f"{b} ({mxfp4.get('source')})")
+    sa, sb = w8a8.get("signature") or {}, mxfp4.get("signature") or {}
+    differ = [k for k in SIGNATURE_KEYS if k in sa and k in sb and sa[k] != sb[k]]
+    if differ:
+        return "their config.json disagree on " + ", ".join(
+            f"{k} ({sa[k]} vs {sb[k]})" for k in differ)
+    return None
+
+
+def _norm(name: str) -> str:
+    return name.strip().lower().rstrip("/")
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+_FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*\n", re.S)
+
+
+def _card_base(readme: Path) -> str | None:
+    """`base_model:` from a model card's YAML front matter (a string or the first item)."""
+    try:
+        text = readme.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    front = _FRONT.match(text)
+    if not front:
+        return None
+    import yaml
+
+    try:
+        meta = yaml.safe_load(front.group(1))
+    except yaml.YAMLError:
+        return None
+    value = meta.get("base_model") if isinstance(meta, dict) else None
+    if isinstance(value, list) and value:
+        value = value[0]
+    return value.strip() if isinstance(value, str) and value.strip() else None
