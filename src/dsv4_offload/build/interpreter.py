@@ -177,4 +177,4 @@ def chosen_python(ctx: StageContext, *, fallback: str | None = None, record: boo
 
 def build_python(ctx: StageContext) -> str:
     """The workspace's one interpreter (:func:`chosen_python`), else the recipe's."""
-    return chosen_python(ctx, fallback=ctx.recipe.build.python).path
+    return chosen_python(ctx, fallback=ctx.recipe.build.interpreter).path

@@ -260,10 +260,14 @@ class BuildStep(Strict):
         return self
 
 
+TOOL_PYTHON = "{tool_python}"  # build.python: the interpreter running this tool (its venv)
+
+
 class Build(Strict):
     python: str = Field(
         "python3.11",
-        description="the interpreter the extensions are built with and bind to")
+        description="the interpreter the extensions are built with and bind to; "
+        "`{tool_python}`: the one running this tool (its own venv, e.g. for a rehearsal)")
     vars: dict[Name, str] = Field(
         {}, description="{name} placeholders of steps; ~ and $VAR are expanded")
     files: dict[Name, RemoteFile] = Field(
@@ -287,6 +291,13 @@ class Build(Strict):
             raise ValueError(f"step '{cann[0]}' runs in the cann context, which needs "
                              "build.vars.cann_home (the CANN home whose set_env.sh it sources)")
         return self
+
+    @property
+    def interpreter(self) -> str:
+        """``python`` with ``{tool_python}`` made the interpreter running this tool."""
+        import sys
+
+        return sys.executable if self.python == TOOL_PYTHON else self.python
 
 
 # --- weights -------------------------------------------------------------------------------

@@ -93,8 +93,8 @@ def probe(ctx: StageContext) -> HostFacts:
     tools += cross_tools(recipe)
     if recipe.host.pkg_config:
         tools.append("pkg-config")
-    python = str(ctx.option("python") or recipe.build.python)
-    return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.python],
+    python = str(ctx.option("python") or recipe.build.interpreter)
+    return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.interpreter],
                       device_nodes=recipe.host.npu_device_nodes,
                       pkg_config=recipe.host.pkg_config,
                       python_modules=[module_requirement(m)[0] for m in recipe.host.python_modules],
@@ -451,7 +451,7 @@ def check_toolchain(recipe: Recipe, facts: HostFacts,
             status = FAIL if mode == "required" else WARN
             observed = f"{version}; daemon: {said}"
         checks.append(Check("docker", status, observed, f"docker ({mode})", fix))
-    py = recipe.build.python
+    py = recipe.build.interpreter
     version = facts.python_versions.get(py)
     ok = version is not None and version.split(".")[:2] == host.python.split(".")[:2]
     checks.append(Check(
