@@ -96,6 +96,7 @@ runtime:
   mounts:
 {mounts}
 build:
+  python: "{{tool_python}}"   # inside: the tool's venv (numpy for the selftest child)
   steps:
     - name: probe
       command: [sh, -c, "echo inside=$DSV4_IN_CONTAINER; test -f /.dockerenv && echo DOCKERENV"]
@@ -112,6 +113,15 @@ serve:
   reserved_cores: 0        # this machine has 2 cores; the Kunpeng-920 keeps 4 aside
   env:
     KT_MXFP4_DEPOOL: "0"
+selftest:                   # small: the stand-in kt_kernel_ext computes in python
+  module_dir: standin-kt
+  experts: 4
+  hidden: 64
+  intermediate: 64
+  top_k: 2
+  tokens: [4, 16]
+  timeout_s: 120
+  api: low-level
 acceptance:
   request_timeout_s: 10
   throughput:
@@ -172,6 +182,15 @@ acceptance:
     assert "=== exit 0" in inner and "Fatal Python error" not in inner, inner[-1500:]
     log = (ws / "logs" / "build" / "probe.log").read_text()
     assert f"inside={NAME}" in log and "DOCKERENV" in log
+
+    # the selftest inside: the stand-in kt_kernel_ext where the recipe says the build put it,
+    # run by the real stage in a child of the tool's venv, against the numpy reference
+    (ws / "standin-kt").mkdir()
+    shutil.copyfile(TESTS / "standin_kt_kernel_ext.py", ws / "standin-kt" / "kt_kernel_ext.py")
+    tested = cli("--json", "selftest")
+    assert tested.returncode == 0, tested
+    record = json.loads((ws / ".dsv4" / "state.json").read_text())["stages"]["selftest"]
+    assert record["status"] == "done" and record.get("container"), record
 
     # `serve --print` runs inside too: each value as the server will see it, with its origin
     knobs = {"CHUNKED_PREFILL_SIZE": "32768", "KT_NUM_GPU_EXPERTS": "24"}
