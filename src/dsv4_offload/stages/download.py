@@ -197,7 +197,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     # 1. what is on disk already
     to_check, to_fetch = [], []
     for f in listing.files:
-        local = local_dir / f.path
+        local = hubs.confined(local_dir, f.path, f"weights.{name} listing")
         try:
             st = local.stat()
         except FileNotFoundError:
@@ -289,7 +289,7 @@ def check_structure_only(ctx: StageContext, name: str, local_dir: Path, record_p
             report.problems.append(Problem(
                 "error", f"{name}: {index}: no 'weight_map' object", fix=no_record, check=name))
             return report
-        wanted |= {str(v) for v in weight_map.values()}
+        wanted |= {hubs.listed_path(v, f"{index}: weight_map") for v in weight_map.values()}
     from safetensors import safe_open
 
     bad: list[str] = []

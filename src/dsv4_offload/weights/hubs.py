@@ -25,6 +25,7 @@ HUBS = ("huggingface", "modelscope")
 DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}
 ENDPOINT_ENV = {"huggingface": "HF_ENDPOINT", "modelscope": "MODELSCOPE_ENDPOINT"}
 HASH_CHUNK = 8 << 20
+MAX_LISTED_PATH = 1024
 
 
 class HubError(Dsv4Error):
@@ -46,7 +47,38 @@ class HubFile:
                 or not isinstance(value.get("size"), int) or value["size"] < 0:
             raise InputError(f"{where}: a file entry lacks 'path' or a non-negative 'size'; "
                              "delete the file and rerun `dsv4-offload download` online")
-        return cls(value["path"], value["size"], value.get("sha256"), value.get("git_oid"))
+        sha, oid = value.get("sha256"), value.get("git_oid")
+        return cls(listed_path(value["path"], where), value["size"],
+                   sha if isinstance(sha, str) else None, oid if isinstance(oid, str) else None)
+
+
+def listed_path(path: Any, where: str) -> str:
+    """``path`` from a listing when it is a plain relative path (no '/', '..', '.', NUL at
+    its start or inside); otherwise an InputError naming the entry, before anything is
+    written or deleted for it."""
+    text = path if isinstance(path, str) else repr(path)
+    parts = text.split("/")
+    if not isinstance(path, str) or not path or len(path) > MAX_LISTED_PATH \
+            or any(part in ("", ".", "..") for part in parts) \
+            or any(ord(c) < 32 or c == "\\" for c in path):
+        raise InputError(
+            f"{where}: listing entry {text[:120]!r} is not a relative path inside the weights "
+            "directory (absolute, '..', empty part or control character); refusing the whole "
+            "listing — check the hub or --endpoint mirror you use")
+    return path
+
+
+def confined(local_dir: Path, path: str, where: str) -> Path:
+    """``local_dir / path`` after checking that ``path`` is a plain relative path and that no
+    directory or file on the way below ``local_dir`` is a symlink."""
+    probe = local_dir
+    for part in listed_path(path, where).split("/"):
+        probe = probe / part
+        if probe.is_symlink():
+            raise InputError(f"{where}: listing entry '{path}' goes through the symlink {probe}; "
+                             "remove that link (weights are written only inside "
+                             f"{local_dir}) and rerun")
+    return probe
 
 
 @dataclass
@@ -116,6 +148,27 @@ def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> H
     )
 
 
+def _not_a_listing(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return HubError(
+        f"{hub} at {endpoint} answered the listing of {repo_id} with something that is not a "
+        f"file listing ({type(exc).__name__}: {reason[:120]})",
+        hint=f"check --endpoint / {ENDPOINT_ENV[hub]}: a proxy's HTML page or a wrong URL "
+        "answers like this")
+
+
+def _listed_file(path: Any, size: Any, sha256: Any, git_oid: Any) -> HubFile:
+    """One listing entry, typed: a size that is not a non-negative integer is refused."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"entry {str(path)[:120]!r} has size {str(size)[:40]!r}")
+    for value in (sha256, git_oid):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"entry {str(path)[:120]!r} has a hash that is not text")
+    if not isinstance(path, str):
+        raise ValueError(f"entry path {str(path)[:120]!r} is not text")
+    return HubFile(path, size, sha256, git_oid)
+
+
 def filter_paths(paths: list[str], allow_patterns: list[str]) -> list[str]:
     """The hub clients' own pattern semantics (fnmatch; a trailing '/' means a folder)."""
     from huggingface_hub.utils import filter_repo_objects
@@ -132,6 +185,9 @@ def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
         listing = _list_modelscope(repo_id, revision, endpoint)
     else:  # the recipe model only admits HUBS
         raise InputError(f"unknown hub '{hub}'; use one of {list(HUBS)}")
+    where = f"{hub} listing of {repo_id}@{revision} at {endpoint}"
+    for f in listing.files:
+        listed_path(f.path, where)
     keep = set(filter_paths([f.path for f in listing.files], allow_patterns))
     listing.files = [f for f in listing.files if f.path in keep]
     if not listing.files:
@@ -165,6 +221,8 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
                          "log in with `hf auth login`); fix weights.*.repo_id") from None
     except (HfHubHTTPError, OSError) as exc:
         raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
     except Exception as exc:
         # transport errors (connect, timeout) come from the client's httpx-family package,
         # whose name changes between huggingface_hub releases; match it by module
@@ -172,11 +230,14 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
             raise _unreachable("huggingface", repo_id, endpoint, exc) from None
         raise
     files = []
-    for e in entries:
-        if not isinstance(e, RepoFile):
-            continue
-        sha = e.lfs.sha256 if e.lfs is not None else None
-        files.append(HubFile(e.path, int(e.size), sha, None if sha else e.blob_id))
+    try:
+        for e in entries:
+            if not isinstance(e, RepoFile):
+                continue
+            sha = e.lfs.sha256 if e.lfs is not None else None
+            files.append(_listed_file(e.path, e.size, sha, None if sha else e.blob_id))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
     return HubListing("huggingface", repo_id, revision, info.sha, endpoint, files)
 
 
@@ -190,14 +251,20 @@ def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
     except NotExistError:
         raise InputError(f"{repo_id}@{revision} not found on modelscope at {endpoint}; fix "
                          "weights.*.repo_id / revision in the recipe") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # before requests':
+        # its JSONDecodeError is a RequestException too
+        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
     except (requests.RequestException, OSError) as exc:
         raise _unreachable("modelscope", repo_id, endpoint, exc) from None
     except Exception as exc:
         if type(exc).__module__.startswith("modelscope_hub"):
             raise _unreachable("modelscope", repo_id, endpoint, exc) from None
         raise
-    files = [HubFile(e.path, int(e.size), (e.sha256 or "").lower() or None)
-             for e in entries if getattr(e, "type", "blob") != "tree"]
+    try:
+        files = [_listed_file(e.path, e.size, (e.sha256 or "").lower() or None, None)
+                 for e in entries if getattr(e, "type", "blob") != "tree"]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
     # ModelScope's listing names no repo-wide commit; the listing digest stands in for it
     return HubListing("modelscope", repo_id, revision, None, endpoint, files)
 
@@ -278,7 +345,8 @@ def client_metadata_paths(hub: str, local_dir: Path, path: str) -> list[Path]:
 
 def forget_local_copy(hub: str, local_dir: Path, path: str) -> None:
     """Delete a bad local copy and the client's notes on it, so the next fetch starts clean."""
-    for p in [local_dir / path, *client_metadata_paths(hub, local_dir, path)]:
+    local = confined(local_dir, path, f"{hub} local copy in {local_dir}")
+    for p in [local, *client_metadata_paths(hub, local_dir, path)]:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
