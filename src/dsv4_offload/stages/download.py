@@ -22,6 +22,7 @@ from typing import Any
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import hubs
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json
@@ -58,11 +59,11 @@ class DownloadLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        open_private_log(path).close()  # 0600: hub URLs and client messages land here
 
     def write(self, text: str) -> None:
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(f"{now_iso()} {text}\n")
+        with open_private_log(self.path) as fh:
+            fh.write(f"{now_iso()} {redact(text)}\n")
 
 
 def requested_sets(ctx: StageContext) -> list[str]:
@@ -118,7 +119,7 @@ def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
         "repo_id": listing.repo_id if listing else None,
         "revision": listing.revision if listing else None,
         "resolved": listing.resolved if listing else None,
-        "endpoint": listing.endpoint if listing else None,
+        "endpoint": redact(listing.endpoint) if listing else None,
         "files": len(listing.files) if listing else 0,
         "bytes": listing.total_bytes if listing else 0,
         "fetched": r.fetched,

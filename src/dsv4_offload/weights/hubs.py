@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import open_private_log, redact
 
 HUBS = ("huggingface", "modelscope")
 DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}
@@ -105,7 +106,7 @@ class HubListing:
 
     def as_dict(self) -> dict[str, Any]:
         return {"hub": self.hub, "repo_id": self.repo_id, "revision": self.revision,
-                "resolved": self.resolved, "endpoint": self.endpoint,
+                "resolved": self.resolved, "endpoint": redact(self.endpoint),
                 "files": [asdict(f) for f in self.files]}
 
     @classmethod
@@ -123,8 +124,8 @@ def resolve_endpoint(hub: str, override: str | None = None) -> str:
     """--endpoint wins, then the hub's own variable (HF_ENDPOINT, MODELSCOPE_ENDPOINT)."""
     value = override or os.environ.get(ENDPOINT_ENV[hub]) or DEFAULT_ENDPOINTS[hub]
     if not value.startswith(("http://", "https://")):
-        raise InputError(f"endpoint '{value}' for {hub} must start with http:// or https:// "
-                         f"(from --endpoint or {ENDPOINT_ENV[hub]})")
+        raise InputError(f"endpoint '{redact(value)}' for {hub} must start with http:// or "
+                         f"https:// (from --endpoint or {ENDPOINT_ENV[hub]})")
     return value.rstrip("/")
 
 
@@ -140,19 +141,20 @@ def offline_by_env(hub: str) -> bool:
 
 
 def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
     return HubError(
-        f"cannot list {repo_id} on {hub} at {endpoint} ({type(exc).__name__}: {reason[:160]})",
+        f"cannot list {repo_id} on {hub} at {redact(endpoint)} "
+        f"({type(exc).__name__}: {reason[:160]})",
         hint=f"check the network or a mirror (--endpoint URL or {ENDPOINT_ENV[hub]}); if the "
         "files are already on disk, rerun with --local-dir-only",
     )
 
 
 def _not_a_listing(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
     return HubError(
-        f"{hub} at {endpoint} answered the listing of {repo_id} with something that is not a "
-        f"file listing ({type(exc).__name__}: {reason[:120]})",
+        f"{hub} at {redact(endpoint)} answered the listing of {repo_id} with something that "
+        f"is not a file listing ({type(exc).__name__}: {reason[:120]})",
         hint=f"check --endpoint / {ENDPOINT_ENV[hub]}: a proxy's HTML page or a wrong URL "
         "answers like this")
 
@@ -185,7 +187,7 @@ def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
         listing = _list_modelscope(repo_id, revision, endpoint)
     else:  # the recipe model only admits HUBS
         raise InputError(f"unknown hub '{hub}'; use one of {list(HUBS)}")
-    where = f"{hub} listing of {repo_id}@{revision} at {endpoint}"
+    where = f"{hub} listing of {repo_id}@{revision} at {redact(endpoint)}"
     for f in listing.files:
         listed_path(f.path, where)
     keep = set(filter_paths([f.path for f in listing.files], allow_patterns))
@@ -211,14 +213,15 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
     try:
         info = api.repo_info(repo_id, revision=revision)
         if not info.sha:
-            raise HubError(f"{endpoint}: repo info of {repo_id}@{revision} has no commit sha")
+            raise HubError(f"{redact(endpoint)}: repo info of {repo_id}@{revision} has no "
+                           "commit sha")
         entries = list(api.list_repo_tree(repo_id, recursive=True, revision=info.sha))
     except RevisionNotFoundError:
         raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
                          "weights.*.revision in the recipe") from None
     except RepositoryNotFoundError:
-        raise InputError(f"{repo_id} not found on huggingface at {endpoint} (or it is gated: "
-                         "log in with `hf auth login`); fix weights.*.repo_id") from None
+        raise InputError(f"{repo_id} not found on huggingface at {redact(endpoint)} (or it is "
+                         "gated: log in with `hf auth login`); fix weights.*.repo_id") from None
     except (HfHubHTTPError, OSError) as exc:
         raise _unreachable("huggingface", repo_id, endpoint, exc) from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -249,7 +252,7 @@ def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
     try:
         entries = HubApi(endpoint=endpoint).list_repo_files(repo_id, "model", revision=revision)
     except NotExistError:
-        raise InputError(f"{repo_id}@{revision} not found on modelscope at {endpoint}; fix "
+        raise InputError(f"{repo_id}@{revision} not found on modelscope at {redact(endpoint)}; fix "
                          "weights.*.repo_id / revision in the recipe") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # before requests':
         # its JSONDecodeError is a RequestException too
@@ -284,9 +287,13 @@ def client_output_to(log: Path) -> Iterator[None]:
     """
     import logging
 
-    log.parent.mkdir(parents=True, exist_ok=True)
+    class Redacting(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return redact(super().format(record))
+
+    open_private_log(log).close()  # 0600 before the handler appends to it
     handler = logging.FileHandler(log, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(Redacting("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
     for name in CLIENT_LOGGERS:
         logger = logging.getLogger(name)
@@ -418,7 +425,7 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
             try:
                 one(listing, f, local_dir, cache_dir)
             except Exception as exc:  # any client error becomes one line for this file
-                text = str(exc).splitlines()[0] if str(exc) else ""
+                text = redact(str(exc).splitlines()[0]) if str(exc) else ""
                 done.put((f, f"{type(exc).__name__}: {text[:200]}"))
             else:
                 done.put((f, None))
