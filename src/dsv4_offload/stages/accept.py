@@ -93,6 +93,7 @@ def run(ctx: StageContext) -> StageResult:
     started = time.monotonic()
 
     with ctx.task(f"accepting {url}", total=len(probe_list) + 4) as task:
+        current = "health check"  # what a failure names
         try:
             for path in (OPENAI_HEALTH if api == "openai" else ctx.recipe.serve.health_paths):
                 code, secs = client.get(path)
@@ -103,19 +104,21 @@ def run(ctx: StageContext) -> StageResult:
             task.advance()
             if all(c.ok for c in checks):
                 for probe in probe_list:
+                    current = f"probe '{probe.name}'"
                     reply = client.generate(probe.prompt, probe.max_new_tokens, probe.chat)
                     texts[probe.name] = reply.text
                     checks.append(pr.check_probe(probe, reply, acc.degeneration))
                     task.advance()
                 det = next(p for p in probe_list if p.name == det_name)
+                current = f"determinism probe '{det_name}'"
                 again = client.generate(det.prompt, det.max_new_tokens, det.chat)
                 checks.append(pr.check_determinism(det_name, texts[det_name], again.text))
                 task.advance()
         except pr.ServerUnreachable as exc:
-            checks.append(Check.verdict("server answers", False, str(exc),
+            checks.append(Check.verdict("server answers", False, f"{current}: {exc}",
                                         "the server hung or died: `dsv4-offload serve logs`"))
         except ValueError as exc:
-            checks.append(Check.verdict("server answers", False, str(exc),
+            checks.append(Check.verdict("server answers", False, f"{current}: {exc}",
                                         "is --api right for this server (native or openai)?"))
         if all(c.ok is not False for c in checks):
             buckets, tp_check = _throughput(ctx, client, record, log_path, quick, gate,
