@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
+from conftest import HOST_RECIPE, run_cli
 from fuzz_headers import DIMS, LAYOUT, cases, run_reader, valid_gguf, valid_safetensors
 
 from dsv4_offload.core.errors import InputError
@@ -92,3 +93,39 @@ def test_an_index_pointing_outside_the_checkpoint_is_refused(tmp_path: Path) -> 
         {"weight_map": {"layers.0.ffn.experts.0.w1.weight": "../../etc/passwd"}}))
     with pytest.raises(InputError, match="not a shard file inside"):
         Checkpoint.open(tmp_path)
+
+
+BOMB = """name: bomb
+a: &a ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]
+b: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a, *a]
+c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b, *b]
+d: &d [*c, *c, *c, *c, *c, *c, *c, *c, *c, *c]
+e: &e [*d, *d, *d, *d, *d, *d, *d, *d, *d, *d]
+f: &f [*e, *e, *e, *e, *e, *e, *e, *e, *e, *e]
+g: &g [*f, *f, *f, *f, *f, *f, *f, *f, *f, *f]
+h: &h [*g, *g, *g, *g, *g, *g, *g, *g, *g, *g]
+i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
+"""
+
+
+def test_a_yaml_alias_bomb_is_refused_in_a_recipe_and_a_probes_file(tmp_path: Path) -> None:
+    recipe = tmp_path / "bomb.yaml"
+    recipe.write_text(BOMB)
+    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(recipe), "status",
+                  timeout=30)
+    assert res.code == 2, res
+    assert "expands to over" in res.err and str(recipe) in res.err
+    assert "Traceback" not in res.err
+    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "accept",
+                  "--probes", str(recipe), "--url", "http://127.0.0.1:9", timeout=30)
+    assert res.code == 2, res
+    assert "expands to over" in res.err
+
+
+def test_a_fifo_as_a_recipe_is_refused(tmp_path: Path) -> None:
+    fifo = tmp_path / "recipe.yaml"
+    os.mkfifo(fifo)
+    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(fifo), "status",
+                  timeout=30)
+    assert res.code == 2, res
+    assert "not a regular file" in res.err and "Traceback" not in res.err

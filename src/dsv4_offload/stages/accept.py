@@ -34,16 +34,13 @@ OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang
 
 def load_probes(path: Path, acceptance: Acceptance) -> tuple[list[Probe], str]:
     """(probes, determinism probe name) from a user's YAML file, validated like the recipe."""
-    import yaml
     from pydantic import ValidationError
 
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path}: probes file not found; give an existing YAML file") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: unreadable probes file ({str(exc).splitlines()[0]}); "
-                         "write a YAML list of probes") from None
+    from dsv4_offload.recipe.yamldoc import read_yaml_any
+
+    if not path.exists():
+        raise InputError(f"{path}: probes file not found; give an existing YAML file")
+    doc = read_yaml_any(path)
     items = doc.get("probes") if isinstance(doc, dict) else doc
     if not isinstance(items, list) or not items:
         raise InputError(f"{path}: expected a non-empty list of probes (name, prompt, "
