@@ -129,3 +129,32 @@ def test_a_fifo_as_a_recipe_is_refused(tmp_path: Path) -> None:
                   timeout=30)
     assert res.code == 2, res
     assert "not a regular file" in res.err and "Traceback" not in res.err
+
+
+def test_convert_redoes_and_verify_names_a_layer_whose_source_changed(tmp_path: Path) -> None:
+    """Same names, shapes and sizes, other weights: size alone would keep the stale layer."""
+    from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
+
+    dims = DIMS
+    src = write_synthetic_checkpoint(tmp_path / "ckpt", dims, seed=1)
+    ws = tmp_path / "ws"
+    first = run_cli("-w", str(ws), "--json", "convert", "--source", str(src))
+    assert first.code == 0, first
+    other = write_synthetic_checkpoint(tmp_path / "other", dims, seed=2, layers=[0, 1])
+    shard = "model-00001-of-00002.safetensors"
+    assert (other / shard).stat().st_size == (src / shard).stat().st_size
+    os.replace(other / shard, src / shard)  # layer 0's shard: other weights, same shape
+    verify = run_cli("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
+                     "--deep", "0")
+    assert verify.code == 1, verify
+    messages = [p["message"] for p in verify.json()["data"]["problems"]]
+    assert any(m.startswith("layer 0: ") and "converted from other weights" in m
+               and shard in m for m in messages), messages
+    again = run_cli("-w", str(ws), "--json", "convert", "--source", str(src))
+    assert again.code == 0, again
+    data = again.json()["data"]["data"]
+    assert data["converted"] == [0] and data["skipped"] == [1]
+    assert shard in data["redone_source_changed"]["0"]
+    verify = run_cli("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
+                     "--deep", "0")
+    assert verify.code == 0, verify

@@ -87,6 +87,30 @@ def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report)
             report.error(f"layer {layer}: {path.name}: {text}", _redo(layer), "structure")
 
 
+def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: Report) -> None:
+    """Each file against the source it was converted from (recorded by convert): a file of
+    the right shape made from other weights passes every other level, so it is named here."""
+    from dsv4_offload.weights.checkpoint import Checkpoint
+    from dsv4_offload.weights.convert import layer_source, read_layer_sources, source_change
+
+    recorded = read_layer_sources(out_dir)
+    digests: dict[Path, str] = {}
+    unrecorded = []
+    with Checkpoint.open(source) as ckpt:
+        for layer, path in paths.items():
+            change = source_change(recorded.get(path.name), layer_source(ckpt, layer, digests))
+            if change is not None and path.name not in recorded:
+                unrecorded.append(layer)
+            elif change is not None:
+                report.error(f"layer {layer}: {path.name} was converted from other weights: "
+                             f"{change} ({source})", _redo(layer), "source")
+    if unrecorded:
+        report.warn(f"{len(unrecorded)} layer file(s) have no record of their source in "
+                    f"{out_dir} (converted by hand or by an older version): layers "
+                    f"{unrecorded[:8]}", "rerun `dsv4-offload convert --force` to record it",
+                    "source")
+
+
 # --- level 2 -------------------------------------------------------------------------------
 
 
@@ -334,6 +358,8 @@ def run(ctx: StageContext) -> StageResult:
                        dims_from=str(source / CONFIG_FILE) if has_source else "recipe")
 
     check_files(layouts, paths, report)
+    if has_source and not report.failed:
+        check_sources(source, out_dir, paths, report)
     report.levels["1"] = "failed" if report.failed else "ok"
     if report.failed:
         return _result(report, f"level 1 failed for {len(layers)} layer file(s) in {out_dir}")

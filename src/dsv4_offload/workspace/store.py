@@ -47,6 +47,16 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.close(dir_fd)
 
 
+def create_exclusive(path: Path, mode: int = 0o644) -> int:
+    """A new file at ``path`` for writing (its fd): a leftover of a killed run is removed
+    first, and whatever appears there meanwhile (a symlink planted to redirect the write)
+    makes the open fail instead of being followed (O_EXCL, O_NOFOLLOW)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # unlinks a symlink itself, never its target
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   mode)
+
+
 def atomic_write_json(path: Path, value: Any) -> None:
     text = json.dumps(value, indent=2, sort_keys=False, ensure_ascii=False, default=str) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"))
