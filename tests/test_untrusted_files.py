@@ -158,3 +158,33 @@ def test_convert_redoes_and_verify_names_a_layer_whose_source_changed(tmp_path: 
     verify = run_cli("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
                      "--deep", "0")
     assert verify.code == 0, verify
+
+
+def test_a_symlink_planted_at_the_temp_name_is_not_followed(tmp_path: Path) -> None:
+    from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
+
+    src = write_synthetic_checkpoint(tmp_path / "ckpt", DIMS, layers=[0, 1])
+    canary = tmp_path / "outside" / "canary"
+    canary.parent.mkdir()
+    canary.write_bytes(b"keep me\n")
+    out = tmp_path / "ws" / "gguf"
+    out.mkdir(parents=True)
+    os.symlink(canary, out / "dsv4_layer0_mxfp4.gguf.tmp")
+    res = run_cli("-w", str(tmp_path / "ws"), "convert", "--source", str(src), "--layers", "0")
+    assert res.code == 0, res
+    assert canary.read_bytes() == b"keep me\n"
+    assert not (out / "dsv4_layer0_mxfp4.gguf").is_symlink()
+    assert (out / "dsv4_layer0_mxfp4.gguf").stat().st_size > 0
+    assert sorted(p.name for p in canary.parent.iterdir()) == ["canary"]
+
+
+def test_a_malformed_layer_sources_record_is_one_line(tmp_path: Path) -> None:
+    from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
+
+    src = write_synthetic_checkpoint(tmp_path / "ckpt", DIMS, layers=[0, 1])
+    out = tmp_path / "ws" / "gguf"
+    out.mkdir(parents=True)
+    (out / ".dsv4-layer-sources.json").write_text("[1, 2")
+    res = run_cli("-w", str(tmp_path / "ws"), "convert", "--source", str(src), "--layers", "0")
+    assert "Traceback" not in res.err, res
+    assert res.code in (0, 2), res

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import (
     GIB,
@@ -257,6 +257,11 @@ def run(ctx: StageContext) -> StageResult:
                 bars.finish(layer)
         else:
             outcomes = _run_parallel(jobs, work, source, bars, done)
+    except cf.process.BrokenProcessPool:
+        raise Dsv4Error(f"a conversion worker died mid-layer (killed by the OS: out of memory "
+                        f"with {jobs} jobs?); finished layers are kept",
+                        hint="rerun `dsv4-offload convert` with fewer --jobs (or --jobs 1)",
+                        ) from None
     finally:
         bars.close()
         # layers rewritten (or half-written) here are no longer what the manifest vouches for

@@ -148,7 +148,10 @@ def record_layer_source(out_dir: Path, name: str, fingerprint: dict[str, Any] | 
             return
     else:
         doc[name] = fingerprint
-    atomic_write_json(out_dir / SOURCES_FILE, doc)
+    try:
+        atomic_write_json(out_dir / SOURCES_FILE, doc)
+    except OSError as exc:
+        raise _disk_error(exc, out_dir / SOURCES_FILE, 0) from None
 
 
 def source_change(recorded: Any, current: dict[str, Any]) -> str | None:
