@@ -188,3 +188,22 @@ def test_a_malformed_layer_sources_record_is_one_line(tmp_path: Path) -> None:
     res = run_cli("-w", str(tmp_path / "ws"), "convert", "--source", str(src), "--layers", "0")
     assert "Traceback" not in res.err, res
     assert res.code in (0, 2), res
+
+
+@pytest.mark.parametrize("record", ['"garbage"', '{"status": 5}', '{"fingerprint": [1]}'])
+def test_a_malformed_stage_record_is_one_line(tmp_path: Path, record: str) -> None:
+    state = tmp_path / "ws" / ".dsv4" / "state.json"
+    state.parent.mkdir(parents=True)
+    state.write_text('{"schema": 1, "stages": {"doctor": ' + record + "}}")
+    res = run_cli("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "status")
+    assert res.code == 2, res
+    assert "the record of stage 'doctor' is malformed" in res.err and "Traceback" not in res.err
+
+
+def test_a_lock_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
+    lock = tmp_path / "ws" / ".dsv4" / "lock"
+    lock.mkdir(parents=True)
+    res = run_cli("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "run", "--to",
+                  "doctor")
+    assert res.code == 2, res
+    assert str(lock) in res.err and "Traceback" not in res.err

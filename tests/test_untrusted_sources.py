@@ -81,3 +81,23 @@ def test_credentials_in_a_mirror_url_never_reach_output_state_or_logs(
     assert "127.0.0.1:9/dead.git" in log.read_text()  # the attempt is logged, redacted
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
     assert redact(f"https://{token}@host/x") == "https://***@host/x"
+
+
+def test_a_symlinked_checkout_is_never_written_through(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str]) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "canary").write_text("keep\n")
+    project = write_project(tmp_path / "p", upstreams, upstreams.good)
+    ws = tmp_path / "ws"
+    (ws / "src").mkdir(parents=True)
+    (ws / "src" / "main").symlink_to(outside)
+    code, doc = run_cli(project.cli(ws) + ["fetch"], capsys)
+    assert code == 1, doc
+    messages = [p["message"] for p in doc["data"]["problems"]]
+    assert any("main:" in m and "symlink" in m and str(outside) in m for m in messages), messages
+    assert sorted(p.name for p in outside.iterdir()) == ["canary"]
+    code, doc = run_cli(project.cli(ws) + ["fetch", "--force"], capsys)
+    assert code == 0, doc
+    assert not (ws / "src" / "main").is_symlink()
+    assert sorted(p.name for p in outside.iterdir()) == ["canary"]

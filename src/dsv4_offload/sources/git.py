@@ -457,7 +457,7 @@ def read_blob(source: Source, path: str, places: Sequence[Path]) -> bytes | None
 class CheckoutState:
     """What is at a checkout path now."""
 
-    kind: str  # absent | pinned | patched | dirty | other-commit | not-a-repo
+    kind: str  # absent | pinned | patched | dirty | other-commit | not-a-repo | symlink
     head: str | None = None
     detail: str = ""
 
@@ -493,6 +493,9 @@ def patch_commits(repo_dir: Path, base: str,
 
 
 def inspect_checkout(path: Path, commit: str) -> CheckoutState:
+    if path.is_symlink():  # checkouts are made, patched and reset: only inside the workspace
+        return CheckoutState("symlink", detail=f"it points to {os.readlink(path)}; the tool "
+                             "writes only inside the workspace")
     if not path.exists() or is_empty_dir(path):
         return CheckoutState("absent")
     if not (path / ".git").exists():

@@ -57,6 +57,19 @@ def create_exclusive(path: Path, mode: int = 0o644) -> int:
                    mode)
 
 
+def _record_problem(record: Any) -> str | None:
+    """Why a stage record of the state file cannot be read, or None."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not an object"
+    for key in ("status", "started", "ended", "log", "summary"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return f"'{key}' is not text"
+    for key in ("fingerprint", "outputs"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            return f"'{key}' is not an object"
+    return None
+
+
 def atomic_write_json(path: Path, value: Any) -> None:
     text = json.dumps(value, indent=2, sort_keys=False, ensure_ascii=False, default=str) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"))
@@ -191,7 +204,12 @@ class Workspace:
         lock instead: the holder keeps it, so no third process gets in meanwhile.
         """
         self.ensure()
-        fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
+        try:
+            fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
+        except OSError as exc:
+            raise InputError(f"{self.lock_file}: cannot open the workspace lock "
+                             f"({exc.strerror}); remove it (it must be a plain file) and "
+                             "rerun") from None
         try:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -254,6 +272,12 @@ class Workspace:
             raise InputError(
                 f"{self.state_file}: not a dsv4-offload state file; move it aside and rerun"
             )
+        for name, record in state["stages"].items():
+            why = _record_problem(record)
+            if why:
+                raise InputError(f"{self.state_file}: the record of stage '{name}' is "
+                                 f"malformed ({why}); delete that entry (or move the file "
+                                 "aside) and rerun: the stage runs again")
         return state
 
     def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
