@@ -140,3 +140,21 @@ def test_accept_fails_naming_the_probe(server: Hostile, mode: str, tmp_path) -> 
     assert detail.startswith("probe '"), detail
     # one probe's deadline, plus process start-up; never a second probe's
     assert elapsed < DEADLINE_S + 15, elapsed
+
+
+def test_serve_print_warns_that_the_api_key_is_visible_in_ps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from serve_helpers import make_workspace
+
+    ws = make_workspace(tmp_path / "ws")
+    root = Path(__file__).parent / "fixtures" / "hosts" / "kunpeng920-910b"
+    host = {"DSV4_HOST_ROOT": str(root), "DSV4_NPU_SMI": f"cat {root / 'npu-smi-info.txt'}"}
+    key = tmp_path / "key"
+    key.write_text("s3cr3t-key-for-this-test\n")
+    key.chmod(0o600)
+    res = run_cli("--workspace", str(ws.root), "--json", "serve", "--print", "--api-key-file",
+                  str(key), env=host)
+    assert res.code == 0, res
+    assert "s3cr3t-key-for-this-test" not in res.out
+    assert any("`ps`" in w for w in res.json()["data"]["warnings"]), res.out
