@@ -137,3 +137,31 @@ def test_a_listing_with_junk_sizes_is_one_line(hub_name: str) -> None:
     with StandinHub([repo]) as hub, pytest.raises(Dsv4Error) as err:
         hubs.list_files(hub_name, repo.repo_id, "main", [], hub.url)
     assert "\n" not in err.value.one_line()
+
+
+def test_a_dripping_hub_stalls_then_the_rerun_resumes(tmp_path: Path) -> None:
+    import time
+
+    repo = tiny_model_repo(W8A8_REPO)
+    big = "model-00002-of-00002.safetensors"
+    repo.files[big] = bytes(range(256)) * 256  # 64 KiB
+    ws = tmp_path / "ws"
+    env = {**_env(tmp_path), "DSV4_DOWNLOAD_STALL_S": "2"}
+    with StandinHub([repo]) as hub:
+        hub.throttle = 300  # bytes per second: a drip, under the 1 KB/s floor
+        t0 = time.monotonic()
+        res = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                      "--max-workers", "1", env=env, timeout=60)
+        assert time.monotonic() - t0 < 30
+        assert res.code == 1, res
+        assert "stalled" in res.out and "Traceback" not in res.err + res.out
+        hub.throttle = None
+        hub.requests.clear()
+        again = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                        env=_env(tmp_path))
+        assert again.code == 0, again
+        target = ws / "weights" / "DeepSeek-V4-Flash-W8A8" / big
+        assert target.read_bytes() == repo.files[big]
+    bad = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", "http://127.0.0.1:9",
+                  env={**env, "DSV4_DOWNLOAD_STALL_S": "soon"})
+    assert bad.code == 2 and "DSV4_DOWNLOAD_STALL_S" in bad.err, bad

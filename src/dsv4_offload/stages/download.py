@@ -13,6 +13,7 @@ fetches nothing. A corrupt file is named, removed, and fetched again on the next
 
 from __future__ import annotations
 
+import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +67,24 @@ class DownloadLog:
             fh.write(f"{now_iso()} {redact(text)}\n")
 
 
+STALL_ENV = "DSV4_DOWNLOAD_STALL_S"
+
+
+def stall_seconds() -> float:
+    """Seconds under 1 KB/s before a download counts as stalled ($DSV4_DOWNLOAD_STALL_S)."""
+    raw = os.environ.get(STALL_ENV, "").strip()
+    if not raw:
+        return hubs.STALL_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 86400:
+        raise InputError(f"{STALL_ENV}={raw!r}: give seconds, more than 0 (the default is "
+                         f"{hubs.STALL_SECONDS:.0f})")
+    return value
+
+
 def requested_sets(ctx: StageContext) -> list[str]:
     which = ctx.option("which")
     if which in (None, "", "all"):
@@ -86,6 +105,7 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
 
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
+    stall_seconds()  # a bad value is refused before any traffic
     log = DownloadLog(ctx.log_dir / "download.log")
     with hubs.client_output_to(log.path):
         reports = [download_set(ctx, name, log) for name in sets]
@@ -336,7 +356,8 @@ def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[h
 
     with ctx.task(f"download {name}", total=need, unit="B") as task:
         failures = hubs.fetch(listing, files, local_dir, ctx.workspace.hub_cache_dir,
-                              max_workers=workers, on_file_done=file_done, on_poll=poll)
+                              max_workers=workers, on_file_done=file_done, on_poll=poll,
+                              stall_s=stall_seconds())
     for path, err in sorted(failures.items()):
         log.write(f"{name}: {path}: download failed: {err}")
         report.missing.append(path)

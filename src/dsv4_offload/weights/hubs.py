@@ -14,6 +14,7 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +28,9 @@ DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "htt
 ENDPOINT_ENV = {"huggingface": "HF_ENDPOINT", "modelscope": "MODELSCOPE_ENDPOINT"}
 HASH_CHUNK = 8 << 20
 MAX_LISTED_PATH = 1024
+# a transfer under this rate for STALL_SECONDS is stalled (git's own low-speed limit, 1 KB/s)
+STALL_BYTES_PER_S = 1000
+STALL_SECONDS = 120.0
 
 
 class HubError(Dsv4Error):
@@ -401,11 +405,14 @@ def check_content(local: Path, expected: HubFile,
 
 def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir: Path, *,
           max_workers: int = 4, on_file_done: Callable[[HubFile], None] | None = None,
-          on_poll: Callable[[], None] | None = None) -> dict[str, str]:
+          on_poll: Callable[[], None] | None = None,
+          stall_s: float = STALL_SECONDS) -> dict[str, str]:
     """Download ``files`` into ``local_dir`` with the hub's client (it resumes what it can).
 
     Returns {path: error line} for the files that failed (the others are on disk).
-    ``on_poll`` is called about once a second while downloads run (byte progress).
+    ``on_poll`` is called about once a second while downloads run (byte progress). A hub
+    that drips (under STALL_BYTES_PER_S for ``stall_s`` seconds) fails the files still in
+    flight as stalled; their partial bytes stay for the next run to resume.
     """
     local_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -437,6 +444,8 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
         todo.put(None)
         threading.Thread(target=worker, daemon=True, name="hub-fetch").start()
     failures: dict[str, str] = {}
+    finished: set[str] = set()
+    window = [time.monotonic(), partial_bytes(listing.hub, local_dir), 0]  # start, bytes, files
     for _ in files:
         while True:
             try:
@@ -445,11 +454,30 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
             except queue.Empty:
                 if on_poll:
                     on_poll()
+                if _stalled(window, partial_bytes(listing.hub, local_dir), len(finished),
+                            stall_s):
+                    why = (f"stalled: under {STALL_BYTES_PER_S} B/s for {stall_s:.0f} s (a hub "
+                           "or proxy that drips); rerun to resume from the bytes kept")
+                    failures.update({x.path: why for x in files if x.path not in finished
+                                     and x.path not in failures})
+                    return failures  # the daemon workers end with the command
+        finished.add(f.path)
         if error is not None:
             failures[f.path] = error
         elif on_file_done:
             on_file_done(f)
     return failures
+
+
+def _stalled(window: list[Any], partial: int, finished: int, stall_s: float) -> bool:
+    """Whether the transfer has been under STALL_BYTES_PER_S for ``stall_s``; a finished
+    file or enough new bytes starts a new window."""
+    start, start_bytes, start_files = window
+    now = time.monotonic()
+    if finished != start_files or partial - start_bytes >= STALL_BYTES_PER_S * stall_s:
+        window[:] = [now, partial, finished]
+        return False
+    return now - start >= stall_s
 
 
 def drop_stale_partials(local_dir: Path) -> list[Path]:
