@@ -165,3 +165,23 @@ def test_a_dripping_hub_stalls_then_the_rerun_resumes(tmp_path: Path) -> None:
     bad = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", "http://127.0.0.1:9",
                   env={**env, "DSV4_DOWNLOAD_STALL_S": "soon"})
     assert bad.code == 2 and "DSV4_DOWNLOAD_STALL_S" in bad.err, bad
+
+
+def test_credentials_in_an_endpoint_never_reach_output_records_or_logs(tmp_path: Path) -> None:
+    import stat
+
+    token = "hf_s3cr3tT0kenInTheUrl"
+    repo = tiny_model_repo(W8A8_REPO)
+    ws = tmp_path / "ws"
+    with StandinHub([repo]) as hub:
+        endpoint = hub.url.replace("http://", f"http://user:{token}@")
+        res = run_cli("--workspace", str(ws), "--json", "download", "w8a8", "--endpoint",
+                      endpoint, env=_env(tmp_path))
+    assert res.code == 0, res
+    assert token not in res.out + res.err
+    for path in ws.rglob("*"):
+        if path.is_file():
+            assert token.encode() not in path.read_bytes(), path
+    log = ws / "logs" / "download" / "download.log"
+    assert stat.S_IMODE(log.stat().st_mode) == 0o600
+    assert stat.S_IMODE((ws / ".dsv4" / "state.json").stat().st_mode) == 0o600

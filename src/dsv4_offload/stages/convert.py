@@ -282,5 +282,5 @@ def run(ctx: StageContext) -> StageResult:
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # --gguf-dir under a file: said at mkdir
         return 0

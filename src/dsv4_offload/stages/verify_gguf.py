@@ -66,7 +66,7 @@ def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report)
         path = paths[layer]
         try:
             size = path.stat().st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             report.error(f"layer {layer}: {path} is missing",
                          f"run `dsv4-offload convert --layers {layer}`", "level1")
             continue

@@ -134,6 +134,8 @@ def layer_source(ckpt: Any, layer: int, header_digests: dict[Path, str]) -> dict
 def read_layer_sources(out_dir: Path) -> dict[str, Any]:
     from dsv4_offload.workspace.store import read_json
 
+    if not out_dir.is_dir():  # nothing converted there yet (or not a directory: said later)
+        return {}
     doc = read_json(out_dir / SOURCES_FILE, {})
     return doc if isinstance(doc, dict) else {}
 
