@@ -17,7 +17,12 @@ from conftest import HOST_RECIPE, run_cli
 from fuzz_headers import DIMS, LAYOUT, cases, run_reader, valid_gguf, valid_safetensors
 
 from dsv4_offload.core.errors import InputError
-from dsv4_offload.weights.checkpoint import Checkpoint, parse_config, read_safetensors_header
+from dsv4_offload.weights.checkpoint import (
+    Checkpoint,
+    MoeDims,
+    parse_config,
+    read_safetensors_header,
+)
 from dsv4_offload.weights.gguf_io import structural_problems
 
 CASES = 300
@@ -207,3 +212,37 @@ def test_a_lock_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
                   "doctor")
     assert res.code == 2, res
     assert str(lock) in res.err and "Traceback" not in res.err
+
+
+def test_a_worker_killed_mid_layer_is_one_line(tmp_path: Path) -> None:
+    """A worker the OS kills (out of memory) breaks the process pool: one line, no traceback."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import CLI
+
+    from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
+
+    dims = MoeDims(layers=4, experts=32, experts_per_token=6, hidden=2048, intermediate=1024)
+    source = write_synthetic_checkpoint(tmp_path / "ckpt", dims, seed=5)
+    ws = tmp_path / "ws"
+    proc = subprocess.Popen([*CLI, "-w", str(ws), "convert", "--source", str(source), "-j", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    killed = False
+    deadline = time.monotonic() + 60
+    while not killed and proc.poll() is None and time.monotonic() < deadline:
+        if any(p.suffix == ".tmp" for p in (ws / "gguf").glob("*.tmp")):
+            children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+            for pid in children:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                if b"spawn_main" in cmdline:
+                    os.kill(int(pid), signal.SIGKILL)
+                    killed = True
+                    break
+        time.sleep(0.001)
+    out, err = proc.communicate(timeout=60)
+    if not killed:
+        pytest.skip("the conversion ended before a worker could be killed")
+    assert proc.returncode == 1, (out, err)
+    assert "a conversion worker died" in out + err and "Traceback" not in out + err

@@ -21,6 +21,7 @@ import queue
 import shutil
 import time
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,7 @@ def run(ctx: StageContext) -> StageResult:
                 bars.finish(layer)
         else:
             outcomes = _run_parallel(jobs, work, source, bars, done)
-    except cf.process.BrokenProcessPool:
+    except BrokenProcessPool:
         raise Dsv4Error(f"a conversion worker died mid-layer (killed by the OS: out of memory "
                         f"with {jobs} jobs?); finished layers are kept",
                         hint="rerun `dsv4-offload convert` with fewer --jobs (or --jobs 1)",
