@@ -246,3 +246,34 @@ def test_a_worker_killed_mid_layer_is_one_line(tmp_path: Path) -> None:
         pytest.skip("the conversion ended before a worker could be killed")
     assert proc.returncode == 1, (out, err)
     assert "a conversion worker died" in out + err and "Traceback" not in out + err
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "huge", "binary"])
+def test_an_api_key_file_or_manifest_that_is_not_a_small_text_file_is_one_line(
+        tmp_path: Path, kind: str) -> None:
+    from dsv4_offload.serving.rules import read_api_key
+
+    path = tmp_path / "input"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "huge":
+        path.write_bytes(b"k" * (2 << 20))
+    else:
+        path.write_bytes(b"\xff\xfe\x00key")
+    result: list[str] = []
+
+    def read() -> None:
+        with pytest.raises(InputError) as err:
+            read_api_key(path)
+        result.append(err.value.one_line())
+
+    worker = threading.Thread(target=read, daemon=True)
+    worker.start()
+    worker.join(5)
+    assert not worker.is_alive(), "reading the API key file hung"
+    assert result and str(path) in result[0] and "\n" not in result[0]
+    res = run_cli("-w", str(tmp_path / "ws"), "verify-gguf", "--manifest", str(path),
+                  timeout=30)
+    assert "Traceback" not in res.err

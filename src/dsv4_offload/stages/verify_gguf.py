@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.inputs import read_user_text
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import default_jobs, gguf_dir, parse_layers, source_dir
 from dsv4_offload.workspace.context import StageContext
@@ -155,10 +156,8 @@ def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
     manifest = ctx.option("manifest")
     if manifest:
         path = Path(manifest)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise InputError(f"--manifest {path}: {exc.strerror}; give a sha256sum file") from None
+        text = read_user_text(path, "manifest", 1 << 20, "give a sha256sum file",
+                              label=f"--manifest {path}")
         return parse_manifest(text, str(path)), str(path)
     conv = ctx.recipe.conversion
     if real_dims and conv.digests:
