@@ -185,3 +185,18 @@ def test_credentials_in_an_endpoint_never_reach_output_records_or_logs(tmp_path:
     log = ws / "logs" / "download" / "download.log"
     assert stat.S_IMODE(log.stat().st_mode) == 0o600
     assert stat.S_IMODE((ws / ".dsv4" / "state.json").stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("blocker", ["file-for-dir", "dir-for-file"])
+def test_something_in_the_way_of_the_weights_is_one_line(tmp_path: Path, blocker: str) -> None:
+    ws = tmp_path / "ws"
+    if blocker == "file-for-dir":
+        ws.mkdir()
+        (ws / "weights").write_text("not a directory")
+    else:
+        (ws / "weights" / "DeepSeek-V4-Flash-W8A8" / "config.json").mkdir(parents=True)
+    with StandinHub([tiny_model_repo(W8A8_REPO)]) as hub:
+        res = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                      env=_env(tmp_path))
+    assert res.code == 2, res
+    assert "Traceback" not in res.err and "move it aside" in res.err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,6 +225,13 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         except FileNotFoundError:
             to_fetch.append(f)
             continue
+        except NotADirectoryError:
+            blocker = next((p for p in reversed(local.parents) if p.is_file()), local)
+            raise InputError(f"{blocker}: a file where the directory of {f.path} should be; "
+                             "move it aside and rerun") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{local}: not a regular file (a directory, FIFO or device) where "
+                             "the listed file goes; move it aside and rerun")
         if _still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
             continue
         if st.st_size != f.size:
