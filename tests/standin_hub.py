@@ -15,7 +15,8 @@ ModelScope
 
 Every request is recorded so tests can count data requests. Files listed in
 ``corrupt_served`` are served with one flipped byte (same size) to play a hub or proxy
-that hands out bad data; ``phantom`` adds listing entries that are never served.
+that hands out bad data; ``phantom`` adds listing entries that are never served (a hostile
+hub's absolute or ``..`` paths); ``listing_body`` replaces the listings' JSON with raw bytes.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class HubRepo:
     revisions: tuple[str, ...] = ("main", "master")
     corrupt_served: set[str] = field(default_factory=set)
     phantom: dict[str, int] = field(default_factory=dict)  # path -> claimed size, never served
+    # a hostile hub: the listing endpoints answer these bytes instead (an HTML page, junk)
+    listing_body: bytes | None = None
 
     def sha256(self, path: str) -> str:
         return hashlib.sha256(self.files[path]).hexdigest()
@@ -87,7 +90,8 @@ class StandinHub:
         # a second port plays the CDN: another origin, so the client does not follow the
         # redirect on HEAD and reads the file's metadata from the 302 itself, as on the Hub
         self._cdn = _QuietServer(("127.0.0.1", 0), self._handler_class())
-        self._threads = [threading.Thread(target=srv.serve_forever, daemon=True)
+        # a short poll, so stopping the hub takes milliseconds, not half a second
+        self._threads = [threading.Thread(target=srv.serve_forever, args=(0.05,), daemon=True)
                          for srv in (self._server, self._cdn)]
 
     @property
@@ -217,6 +221,9 @@ class StandinHub:
                 if repo is None:
                     return self._json({"error": "Repository not found"}, head, 404,
                                       {"X-Error-Code": "RepoNotFound"})
+                if repo.listing_body is not None:
+                    return self._send(200, repo.listing_body, {"Content-Type": "text/html"},
+                                      head)
                 entries = []
                 for p, data in sorted(repo.files.items()):
                     if sub and not p.startswith(sub + "/"):
@@ -264,6 +271,9 @@ class StandinHub:
                 if repo is None:
                     return self._json({"Code": 10010205001, "Message": "model not found",
                                        "Success": False}, head, 404)
+                if repo.listing_body is not None:
+                    return self._send(200, repo.listing_body, {"Content-Type": "text/html"},
+                                      head)
                 files = []
                 for p, data in sorted(repo.files.items()):
                     files.append({"Path": p, "Name": p.rsplit("/", 1)[-1], "Type": "blob",

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.acceptance import transport
 from dsv4_offload.core.results import Check
 
 if TYPE_CHECKING:
-    import requests
 
     from dsv4_offload.recipe import Degeneration, LogMarker, Probe
 
@@ -39,8 +39,8 @@ def api_key_headers(api_key_file: str | Path | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {read_api_key(Path(api_key_file))}"}
 
 
-class ServerUnreachable(Exception):
-    """The server did not answer (refused, reset, timed out); later requests are pointless."""
+# the server did not answer, or not in time or in bounds; later requests are pointless
+ServerUnreachable = transport.RequestFailed
 
 
 @dataclass
@@ -92,15 +92,15 @@ class ServerClient:
     def get(self, path: str) -> tuple[int, float]:
         t0 = time.monotonic()
         resp = self._request("GET", path)
-        return resp.status_code, time.monotonic() - t0
+        return resp.status, time.monotonic() - t0
 
     def get_json(self, path: str) -> dict[str, Any] | None:
         """A GET answered with a JSON object, or None (404, not JSON: another server)."""
         resp = self._request("GET", path)
-        if resp.status_code != 200:
+        if resp.status != 200:
             return None
         try:
-            doc = resp.json()
+            doc = json.loads(resp.body)
         except ValueError:
             return None
         return doc if isinstance(doc, dict) else None
@@ -111,11 +111,11 @@ class ServerClient:
         path, body = self._body(prompt, max_tokens, chat, stream=False, ignore_eos=ignore_eos)
         resp = self._request("POST", path, body)
         seconds = time.monotonic() - t0
-        if resp.status_code != 200:
-            return Reply(f"HTTP {resp.status_code}: {resp.text[:200]}", resp.status_code, seconds,
+        if resp.status != 200:
+            return Reply(f"HTTP {resp.status}: {resp.text[:200]}", resp.status, seconds,
                          error=_error_text(resp.text))
         try:
-            doc = resp.json()
+            doc = json.loads(resp.body)
             text = self._text(doc, chat)
         except (ValueError, KeyError, IndexError, TypeError) as exc:
             raise ValueError(f"{self.url}{path}: unexpected answer ({exc!r}): "
@@ -127,44 +127,35 @@ class ServerClient:
                ignore_eos: bool = True) -> Reply:
         """Streamed generation, timing the first and the last token as the delivery does."""
         path, body = self._body(prompt, max_tokens, chat, stream=True, ignore_eos=ignore_eos)
-        t0 = time.monotonic()
         resp = self._request("POST", path, body, stream=True)
-        if resp.status_code != 200:
+        t0 = resp.started
+        if resp.status != 200:
             text = resp.text[:200]
-            resp.close()
-            return Reply(f"HTTP {resp.status_code}: {text}", resp.status_code,
+            return Reply(f"HTTP {resp.status}: {text}", resp.status,
                          time.monotonic() - t0, error=_error_text(text))
         text, pieces, error = "", 0, ""
         first: float | None = None
         last = 0.0
         counted: int | None = None
         prompt_tokens: int | None = None
-        done: list[bool] = []
-        try:
-            for event in _sse_events(resp, done):
-                if event.get("error"):
-                    # sglang reports a failed streamed request as an error event inside the
-                    # HTTP 200 stream (http_server.py generate_request, stream_results)
-                    error = _error_text(json.dumps(event["error"]))
-                    break
-                piece, total = self._stream_piece(event, chat, text)
-                p_tok, _ = self._counts(event)
-                prompt_tokens = p_tok or prompt_tokens
-                if total is not None:
-                    counted = total
-                if not piece:
-                    continue
-                now = time.monotonic()
-                first = first if first is not None else now
-                last = now
-                pieces += 1
-                text += piece
-        except _REQUEST_ERRORS() as exc:
-            raise ServerUnreachable(f"{self.url}{path}: the stream broke after {pieces} "
-                                    f"tokens ({type(exc).__name__})") from None
-        finally:
-            resp.close()
-        if not done and not error:
+        for now, event in _sse_events(resp.lines):
+            if event.get("error"):
+                # sglang reports a failed streamed request as an error event inside the
+                # HTTP 200 stream (http_server.py generate_request, stream_results)
+                error = _error_text(json.dumps(event["error"]))
+                break
+            piece, total = self._stream_piece(event, chat, text)
+            p_tok, _ = self._counts(event)
+            prompt_tokens = p_tok or prompt_tokens
+            if total is not None:
+                counted = total
+            if not piece:
+                continue
+            first = first if first is not None else now
+            last = now
+            pieces += 1
+            text += piece
+        if not resp.done and not error:
             # sglang and OpenAI servers end every stream with "data: [DONE]"
             # (http_server.py stream_results): without it the server went away
             raise ServerUnreachable(f"{self.url}{path}: the stream ended after {pieces} "
@@ -227,17 +218,11 @@ class ServerClient:
         return str(content or ""), usage.get("completion_tokens")
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None,
-                 stream: bool = False) -> requests.Response:
-        try:
-            return self.session.request(method, self.url + path, json=body,
-                                        headers=self.headers(), timeout=self.timeout,
-                                        stream=stream)
-        except _REQUEST_ERRORS() as exc:
-            import requests
-
-            why = (f"no answer within {self.timeout:.0f}s" if isinstance(exc, requests.Timeout)
-                   else f"{type(exc).__name__} (is the server up?)")
-            raise ServerUnreachable(f"{method} {self.url}{path}: {why}") from None
+                 stream: bool = False) -> transport.Exchange:
+        """One exchange within ``timeout`` seconds in all, body and lines capped."""
+        return transport.exchange(self.session, method, self.url + path, json_body=body,
+                                  headers=self.headers(), deadline_s=self.timeout,
+                                  stream=stream)
 
 
 def _error_text(raw: str) -> str:
@@ -254,28 +239,18 @@ def _error_text(raw: str) -> str:
     return str(doc)[:200]
 
 
-def _REQUEST_ERRORS() -> tuple[type[BaseException], ...]:
-    import requests
-
-    return (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError)
-
-
-def _sse_events(resp: requests.Response, done: list[bool]) -> Iterator[dict[str, Any]]:
-    """The JSON events of a server-sent stream; ``done`` gets True at ``data: [DONE]``."""
-    for raw in resp.iter_lines(decode_unicode=False):
-        line = raw.decode("utf-8", errors="replace").strip() if raw else ""
+def _sse_events(lines: Sequence[tuple[float, bytes]]) -> Iterator[tuple[float, dict[str, Any]]]:
+    """The JSON events of a server-sent stream's lines, with the time each arrived."""
+    for when, raw in lines:
+        line = raw.decode("utf-8", errors="replace").strip()
         if not line.startswith("data:"):
             continue
-        payload = line[5:].strip()
-        if payload == "[DONE]":
-            done.append(True)
-            return
         try:
-            event = json.loads(payload)
+            event = json.loads(line[5:].strip())
         except ValueError:
             continue
         if isinstance(event, dict):
-            yield event
+            yield when, event
 
 
 # --- checks (pure) ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ judged by the parent, never here.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -197,7 +198,10 @@ def main(argv: list[str]) -> int:
         api = "wrapper" if importlib.util.find_spec("torch_npu") is not None else "low-level"
     out = forward_wrapper(spec, arrays) if api == "wrapper" else forward_low_level(spec, arrays)
     tmp = spec["out"] + ".tmp.npy"
-    np.save(tmp, out)
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    with open(tmp, "xb") as fh:  # exclusive: a symlink planted there is not followed
+        np.save(fh, out)
     os.replace(tmp, spec["out"])
     emit("done", out=spec["out"])
     return 0

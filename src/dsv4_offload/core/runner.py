@@ -47,7 +47,9 @@ EXCERPT_LINES = 8
 # Lines that usually carry the cause of a failure; shown before the plain tail.
 _ERROR_LINE = re.compile(r"error|fatal|failed|exception|traceback|not found|denied|refused", re.I)
 # Secrets never reach a log: tokens in URLs and well-known token variables.
-_SECRET_URL = re.compile(r"(https?://)([^/@\s:]+):([^/@\s]+)@")
+_SECRET_URL = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^/@\s:]+):([^/@\s]+)@")
+# a token alone as the user of an https URL (https://ghp_xxx@host/...)
+_TOKEN_USER = re.compile(r"(\bhttps?://)([^/@\s:]+)@")
 _SECRET_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "MODELSCOPE_API_TOKEN", "GITHUB_TOKEN")
 
 
@@ -56,11 +58,22 @@ def redact(text: str, env: Mapping[str, str] | None = None,
     """``text`` without URL credentials, the well-known token variables' values and
     ``secrets`` (a value under 6 characters is a placeholder such as EMPTY, kept)."""
     text = _SECRET_URL.sub(r"\1\2:***@", text)
+    text = _TOKEN_USER.sub(r"\1***@", text)
     env_values = [(env or os.environ).get(name) for name in _SECRET_ENV]
     for value in [*env_values, *secrets]:
         if value and len(value) >= 6:
             text = text.replace(value, "***")
     return text
+
+
+def open_private_log(path: Path) -> IO[str]:
+    """``path`` opened for appending, readable by its owner only (0600; its directory made
+    0700 when new); a symlink in its place is refused, not followed."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    os.fchmod(fd, 0o600)  # a log made by an older version was 0644
+    return os.fdopen(fd, "a", encoding="utf-8", errors="replace")
 
 
 @dataclass
@@ -112,10 +125,9 @@ def run_command(
 
     The child gets its own process group so Ctrl-C or a timeout stops all of it.
     """
-    log.parent.mkdir(parents=True, exist_ok=True)
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     start = time.monotonic()
-    with open(log, "a", encoding="utf-8", errors="replace") as fh:
+    with open_private_log(log) as fh:
         fh.write(f"\n=== {now_iso()} $ {redact(shlex.join(args), env, secrets)}\n")
         fh.write(f"=== cwd: {cwd or os.getcwd()}\n")
         fh.flush()

@@ -59,9 +59,38 @@ def _relative_path(value: str) -> str:
     return value
 
 
+GIT_URL_SCHEMES = ("https", "ssh", "git", "file")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCP_LIKE = re.compile(r"^[\w.][\w.-]*@[\w.][\w.-]*:\S+$")  # user@host:path, as git reads it
+
+
+def git_url_problem(url: str) -> str | None:
+    """Why ``url`` may not reach git (an option, a transport helper, another scheme); None
+    when it is an https, ssh, git or file URL or ssh's user@host:path."""
+    if not url or url.startswith("-"):
+        return "starts with '-' (git would read it as an option)"
+    if any(c.isspace() or ord(c) < 32 for c in url):
+        return "contains a space or a control character"
+    scheme = _SCHEME.match(url)
+    if scheme is None and "::" in url:
+        return f"names the transport helper '{url.split('::', 1)[0]}::' (it runs a command)"
+    if scheme is not None:
+        if scheme[1].lower() not in GIT_URL_SCHEMES:
+            return f"its scheme '{scheme[1]}' is not one of {', '.join(GIT_URL_SCHEMES)}"
+        rest = url[scheme.end():]
+        if rest.startswith("-") or rest.split("@", 1)[-1].startswith("-"):
+            return "its host starts with '-' (ssh would read it as an option)"
+        return None
+    if not _SCP_LIKE.match(url):
+        return "is not a git URL"
+    return None
+
+
 def _url(value: str) -> str:
-    if not re.match(r"^(https?|ssh|git|file)://\S+$|^[\w.-]+@[\w.-]+:\S+$", value):
-        raise ValueError("must be a git URL (https://, ssh://, git://, file:// or user@host:path)")
+    why = git_url_problem(value)
+    if why is not None:
+        raise ValueError(f"must be a git URL (https://, ssh://, git://, file:// or "
+                         f"user@host:path): this one {why}")
     return value
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import yaml
 from pydantic import (
     ValidationError,
 )
@@ -24,6 +23,7 @@ from dsv4_offload.recipe.yamldoc import (
     located_error,
     plain,
     read_yaml,
+    read_yaml_any,
 )
 
 
@@ -238,8 +238,8 @@ def load_recipe_and_series(
 def looks_like_series(path: str) -> bool:
     """Whether a YAML file is a patch series (it has `patches:`) rather than a recipe."""
     try:
-        doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        doc = read_yaml_any(Path(path))
+    except InputError:
         return False
     return isinstance(doc, dict) and "patches" in doc and "sources" not in doc
 

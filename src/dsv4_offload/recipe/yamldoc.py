@@ -3,6 +3,7 @@ the field and what to write instead."""
 
 from __future__ import annotations
 
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -144,8 +145,60 @@ def located_error(path: str, doc: Any, exc: ValidationError,
     return InputError(f"{where}: {field}: {msg}{suffix}")
 
 
+MAX_YAML_BYTES = 4 << 20  # recipes and series are a few KiB
+MAX_EXPANDED_NODES = 200_000  # after aliases are expanded; a bundled recipe has ~2,000
+
+
+def expanded_nodes(node: yaml.Node, limit: int = MAX_EXPANDED_NODES) -> int:
+    """How many nodes the document has once every alias is expanded (stops past ``limit``).
+
+    PyYAML shares an aliased node instead of copying it, so nine nested anchors of ten
+    aliases each load instantly, then expand to 10^9 items in whatever walks them.
+    """
+    sizes: dict[int, int] = {}
+
+    def size(n: yaml.Node, depth: int) -> int:
+        if id(n) in sizes:
+            return sizes[id(n)]
+        if depth > 200:
+            return limit + 1
+        total = 1
+        if isinstance(n, yaml.SequenceNode):
+            for child in n.value:
+                total += size(child, depth + 1)
+                if total > limit:
+                    break
+        elif isinstance(n, yaml.MappingNode):
+            for key, value in n.value:
+                total += size(key, depth + 1) + size(value, depth + 1)
+                if total > limit:
+                    break
+        sizes[id(n)] = total
+        return total
+
+    return size(node, 0)
+
+
 def read_yaml(path: Path) -> Any:
+    """A recipe or series file: a mapping, every key's line known."""
+    doc = read_yaml_any(path)
+    if not isinstance(doc, dict):
+        kind = type(doc).__name__
+        raise InputError(f"{path}: the document must be a mapping of keys, not {kind}")
+    return _stamp(doc, str(path))
+
+
+def read_yaml_any(path: Path) -> Any:
+    """Any YAML document from a user's file: a regular file of sane size, aliases bounded;
+    every failure one InputError line naming the file."""
     try:
+        st = path.stat()
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{path}: not a regular file (a FIFO, socket or device); give a "
+                             "YAML file")
+        if st.st_size > MAX_YAML_BYTES:
+            raise InputError(f"{path}: {st.st_size} B is far too big for a recipe or series "
+                             f"(limit {MAX_YAML_BYTES >> 20} MiB); give the right file")
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise InputError(
@@ -154,16 +207,25 @@ def read_yaml(path: Path) -> Any:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{path}: cannot read ({exc}); give a readable UTF-8 YAML file") from None
     try:
-        doc = yaml.load(text, Loader=_LineLoader)
+        loader = _LineLoader(text)
+        try:
+            node = loader.get_single_node()
+            if node is not None and expanded_nodes(node) > MAX_EXPANDED_NODES:
+                raise InputError(
+                    f"{path}: the document expands to over {MAX_EXPANDED_NODES} values through "
+                    "its aliases (*name); write the values out or use fewer nested aliases")
+            doc = loader.construct_document(node) if node is not None else None
+        finally:
+            loader.dispose()
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
         line = f":{mark.line + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{path}{line}: invalid YAML: {problem}; fix the syntax") from None
-    if not isinstance(doc, dict):
-        kind = type(doc).__name__
-        raise InputError(f"{path}: the document must be a mapping of keys, not {kind}")
-    return _stamp(doc, str(path))
+    except RecursionError:
+        raise InputError(f"{path}: nested too deeply to be a recipe, series or probes "
+                         "file; give the right file") from None
+    return doc
 
 
 def plain(doc: Any) -> Any:

@@ -442,6 +442,11 @@ def _api_key(d: _Draft, api_key_file: Path | None, port: int) -> bool:
     if api_key_file is not None:
         read_api_key(api_key_file)  # validated now; only the starting process keeps the key
         d.origins["--api-key"] = f"{OPTION} (--api-key-file {api_key_file})"
+        # upstream sglang's later `--config FILE` (a 0600 YAML) could keep the key off argv;
+        # the delivery's launch takes it as a flag, so the exposure is said, not hidden
+        d.warnings.append("sglang gets the API key as `--api-key` on its command line: local "
+                          "users of this host can read it with `ps`; use a key for this server "
+                          "only, or keep untrusted users off the host")
         return True
     if not is_loopback(d.serve.host):
         d.warnings.append(f"the server binds {d.serve.host} with no API key: anyone who reaches "

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from dsv4_offload.build import bringup
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.host import choose_npu
+from dsv4_offload.core.inputs import read_user_text
 
 if TYPE_CHECKING:
     from dsv4_offload.core.host import NpuInfo
@@ -224,11 +225,8 @@ def missing_op_files(directory: Path) -> list[str]:
 
 def read_api_key(path: Path) -> str:
     """The key in ``path`` (one line, no blanks); InputError naming the file and the fix."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read the API key file ({exc.strerror}); write the key "
-                         "on one line in a file only you can read (chmod 600)") from None
+    text = read_user_text(path, "API key file", 4096, "write the key on one line in a file "
+                          "only you can read (chmod 600)")
     lines = [x.strip() for x in text.splitlines() if x.strip()]
     if len(lines) != 1 or any(c.isspace() for c in lines[0]):
         raise InputError(f"{path}: the API key file must hold exactly one key on one line "

@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
-from dsv4_offload.core.runner import capture
+from dsv4_offload.core.runner import capture, redact
+from dsv4_offload.recipe.fields import GIT_URL_SCHEMES, git_url_problem
 from dsv4_offload.recipe.lock import read_source_locks
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
@@ -59,7 +60,9 @@ def git_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for git: never prompt for credentials (a dead mirror must fail fast),
     never hang on a stalled transfer, messages in English so they can be parsed."""
     env = dict(os.environ)
-    env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANGUAGE": "C"})
+    env.update({"GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C", "LANGUAGE": "C",
+                # the only transports git may use, whatever a URL or a config asks for
+                "GIT_ALLOW_PROTOCOL": ":".join(GIT_URL_SCHEMES)})
     # a stalled HTTP transfer (under 1 KB/s for a minute) fails, so the next mirror is tried
     env.setdefault("GIT_HTTP_LOW_SPEED_LIMIT", "1000")
     env.setdefault("GIT_HTTP_LOW_SPEED_TIME", "60")
@@ -119,20 +122,31 @@ def head_commit(repo_dir: Path) -> str | None:
 # --- mirrors -------------------------------------------------------------------------------
 
 
+def checked_git_url(url: str, origin: str) -> str:
+    """``url`` when git may be given it; otherwise an InputError naming ``origin``."""
+    why = git_url_problem(url)
+    if why is not None:
+        raise InputError(
+            f"{origin}: URL {redact(url)[:160]!r} {why}; give an https://, ssh://, git:// or "
+            "file:// URL (or user@host:path)")
+    return url
+
+
 def parse_mirrors(values: Sequence[str], env_value: str | None = None) -> dict[str, list[str]]:
     """``NAME=URL`` items (options first, then ``$DSV4_MIRRORS``, comma/space separated)."""
-    items = list(values)
+    items = [(item, "--mirror") for item in values]
     if env_value:
-        items += [x for x in re.split(r"[\s,;]+", env_value) if x]
+        items += [(x, MIRRORS_ENV) for x in re.split(r"[\s,;]+", env_value) if x]
     out: dict[str, list[str]] = {}
-    for item in items:
+    for item, origin in items:
         name, sep, url = item.partition("=")
         if not sep or not name.strip() or not url.strip():
             raise InputError(
-                f"mirror {item!r}: expected NAME=URL (e.g. --mirror sglang=file:///srv/sglang.git "
-                f"or {MIRRORS_ENV}='sglang=https://host/sglang.git')"
+                f"{origin}: mirror {redact(item)!r}: expected NAME=URL (e.g. --mirror "
+                f"sglang=file:///srv/sglang.git or {MIRRORS_ENV}='sglang=https://host/sglang.git')"
             )
-        out.setdefault(name.strip(), []).append(url.strip())
+        url = checked_git_url(url.strip(), f"{origin} {name.strip()}=…")
+        out.setdefault(name.strip(), []).append(url)
     return out
 
 
@@ -150,6 +164,8 @@ def mirrors_from(values: Sequence[str] | None, recipe: Recipe) -> dict[str, list
 def candidate_urls(source: Source, extra: dict[str, list[str]] | None = None) -> list[str]:
     """User mirrors first, then the recipe's URL and its mirrors, without repeats."""
     urls = list((extra or {}).get(source.name, [])) + [source.url, *source.mirrors]
+    for url in urls:
+        checked_git_url(url, f"sources.{source.name} (url, mirrors or --mirror)")
     return list(dict.fromkeys(urls))
 
 
@@ -211,7 +227,8 @@ def _progress_reader(task: Task | None, received: list[int]) -> Callable[[str], 
     return on_line
 
 
-def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[bool, str, int]:
+def _fetch(repo: Path, options: list[str], url: str, refspecs: list[str], log: Path,
+           task: Task | None) -> tuple[bool, str, int]:
     from dsv4_offload.core.runner import CommandFailed, run_command
 
     received = [0]
@@ -219,7 +236,9 @@ def _fetch(repo: Path, args: list[str], log: Path, task: Task | None) -> tuple[b
     watcher = threading.Thread(target=_watch_incoming_pack, args=(repo, task, done), daemon=True)
     watcher.start()
     try:
-        run_command(["git", "fetch", "--progress", "--no-tags", "--no-write-fetch-head", *args],
+        # the URL after '--': whatever it holds, git never reads it as an option
+        run_command(["git", "fetch", "--progress", "--no-tags", "--no-write-fetch-head", *options,
+                     "--", url, *refspecs],
                     log=log, cwd=repo, env=git_env(), on_line=_progress_reader(task, received))
     except CommandFailed as exc:
         return False, exc.excerpt[-1] if exc.excerpt else exc.message, received[0]
@@ -273,12 +292,12 @@ def fetch_commit(source: Source, *, log: Path, mirrors: dict[str, list[str]] | N
 def _fetch_from(repo: Path, url: str, source: Source, commit: str, log: Path,
                 task: Task | None, outcome: FetchOutcome) -> bool:
     shallow = ["--depth", "1"]
-    ok, why, got = _fetch(repo, [*shallow, url, commit], log, task)
+    ok, why, got = _fetch(repo, shallow, url, [commit], log, task)
     if ok and has_commit(repo, commit):
-        outcome.url, outcome.method, outcome.bytes_received = url, "sha", got
+        outcome.url, outcome.method, outcome.bytes_received = redact(url), "sha", got
         return True
     if not ok and _unreachable(why):
-        outcome.attempts.append(f"{url}: {why}")
+        outcome.attempts.append(f"{redact(url)}: {why}")
         return False
     # the host refused the SHA (or served something else): go through named refs
     plans: list[tuple[str, bool, list[str]]] = []  # (method, shallow, refspecs)
@@ -291,15 +310,15 @@ def _fetch_from(repo: Path, url: str, source: Source, commit: str, log: Path,
         # a full fetch into a shallow repo stops at its shallow boundary unless unshallowed
         depth = shallow if is_shallow else (
             ["--unshallow"] if (repo / "shallow").exists() else [])
-        ok, why2, got2 = _fetch(repo, [*depth, url, *refspecs], log, task)
+        ok, why2, got2 = _fetch(repo, depth, url, refspecs, log, task)
         got += got2
         if ok and has_commit(repo, commit):
-            outcome.url, outcome.method, outcome.bytes_received = url, method, got
+            outcome.url, outcome.method, outcome.bytes_received = redact(url), method, got
             return True
         if not ok:
             why = why2
     missing = f"the commit is not on {source.ref or 'any branch'}"
-    outcome.attempts.append(f"{url}: {why or missing}")
+    outcome.attempts.append(f"{redact(url)}: {why or missing}")
     return False
 
 
@@ -320,10 +339,11 @@ def resolve_commit_prefix(source: Source, *, log: Path,
     with _cache_lock(repo):
         for url in candidate_urls(source, mirrors):
             depth = ["--unshallow"] if (repo / "shallow").exists() else []
-            ok, why, _ = _fetch(repo, [*depth, url, f"+refs/heads/{branch}:{local}"], log, task)
+            ok, why, _ = _fetch(repo, depth, url, [f"+refs/heads/{branch}:{local}"], log,
+                                   task)
             if ok:
                 break
-            attempts.append(f"{url}: {why}")
+            attempts.append(f"{redact(url)}: {why}")
         else:
             raise Dsv4Error(f"source '{source.name}': branch {branch} could not be fetched to "
                             f"resolve {prefix} ({'; '.join(attempts)}); check the network or "
@@ -381,7 +401,7 @@ def resolve_remote_ref(source: Source, ref: str, *, log: Path,
     why = ""
     with _cache_lock(repo):
         for url in candidate_urls(source, mirrors):
-            ok, why, _ = _fetch(repo, ["--depth", "1", url, f"+{ref}:{local}"], log, None)
+            ok, why, _ = _fetch(repo, ["--depth", "1"], url, [f"+{ref}:{local}"], log, None)
             if ok:
                 commit = git_text(repo, "rev-parse", f"{local}^{{commit}}")
                 git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
@@ -411,7 +431,7 @@ def read_blob(source: Source, path: str, places: Sequence[Path]) -> bytes | None
 class CheckoutState:
     """What is at a checkout path now."""
 
-    kind: str  # absent | pinned | patched | dirty | other-commit | not-a-repo
+    kind: str  # absent | pinned | patched | dirty | other-commit | not-a-repo | symlink
     head: str | None = None
     detail: str = ""
 
@@ -447,6 +467,9 @@ def patch_commits(repo_dir: Path, base: str,
 
 
 def inspect_checkout(path: Path, commit: str) -> CheckoutState:
+    if path.is_symlink():  # checkouts are made, patched and reset: only inside the workspace
+        return CheckoutState("symlink", detail=f"it points to {os.readlink(path)}; the tool "
+                             "writes only inside the workspace")
     if not path.exists() or is_empty_dir(path):
         return CheckoutState("absent")
     if not (path / ".git").exists():
@@ -594,15 +617,16 @@ def fetch_history(source: Source, ref: str, *, log: Path,
     with _cache_lock(repo):
         for url in candidate_urls(source, mirrors):
             _configure_partial(repo, url)
-            ok, out = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, want], log)
+            ok, out = _run_fetch(repo, ["--filter=blob:none", "--", HISTORY_REMOTE, want], log)
             why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), "see the log")
             note = ""
             if any(_FILTER_IGNORED in line for line in out):
-                note = (f"{url} does not allow filters (uploadpack.allowFilter): fetched the "
-                        "full history, blobs included")
+                note = (f"{redact(url)} does not allow filters (uploadpack.allowFilter): "
+                        "fetched the full history, blobs included")
             elif not ok and not _unreachable(why):
-                ok, out = _run_fetch(repo, [HISTORY_REMOTE, want], log)
-                note = f"a blob-less fetch from {url} failed ({why}): fetched the full history"
+                ok, out = _run_fetch(repo, ["--", HISTORY_REMOTE, want], log)
+                note = (f"a blob-less fetch from {redact(url)} failed ({why}): fetched the full "
+                        "history")
                 why = next((ln for ln in reversed(out) if ln.startswith("fatal:")), why)
             if not ok:
                 continue
@@ -610,14 +634,15 @@ def fetch_history(source: Source, ref: str, *, log: Path,
             commit = git_text(repo, "rev-parse", f"{named}^{{commit}}")
             if not has_commit(repo, source.pinned):
                 # the pinned commit is not in the ref's history: ask for it by SHA
-                ok2, _ = _run_fetch(repo, ["--filter=blob:none", HISTORY_REMOTE, source.pinned],
+                ok2, _ = _run_fetch(repo, ["--filter=blob:none", "--", HISTORY_REMOTE,
+                                              source.pinned],
                                     log)
                 if not ok2 or not has_commit(repo, source.pinned):
                     why = f"the pinned commit {source.pinned[:12]} is not reachable from {ref}"
                     continue
             git_text(repo, "update-ref", PIN_REF_PREFIX + source.pinned, source.pinned)
             git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
-            return HistoryFetch(repo, commit, url, note)
+            return HistoryFetch(repo, commit, redact(url), note)
     raise Dsv4Error(f"source '{source.name}': the history of '{ref}' could not be fetched "
                     f"({why}); give a branch, tag or full SHA that exists upstream, or pass "
                     f"--mirror {source.name}=URL", log=str(log))

@@ -35,16 +35,13 @@ OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang
 
 def load_probes(path: Path, acceptance: Acceptance) -> tuple[list[Probe], str]:
     """(probes, determinism probe name) from a user's YAML file, validated like the recipe."""
-    import yaml
     from pydantic import ValidationError
 
-    try:
-        doc = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError(f"{path}: probes file not found; give an existing YAML file") from None
-    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
-        raise InputError(f"{path}: unreadable probes file ({str(exc).splitlines()[0]}); "
-                         "write a YAML list of probes") from None
+    from dsv4_offload.recipe.yamldoc import read_yaml_any
+
+    if not path.exists():
+        raise InputError(f"{path}: probes file not found; give an existing YAML file")
+    doc = read_yaml_any(path)
     items = doc.get("probes") if isinstance(doc, dict) else doc
     if not isinstance(items, list) or not items:
         raise InputError(f"{path}: expected a non-empty list of probes (name, prompt, "
@@ -99,6 +96,7 @@ def run(ctx: StageContext) -> StageResult:
     started = time.monotonic()
 
     with ctx.task(f"accepting {url}", total=len(probe_list) + 4) as task:
+        current = "health check"  # what a failure names
         try:
             for path in (OPENAI_HEALTH if api == "openai" else ctx.recipe.serve.health_paths):
                 code, secs = client.get(path)
@@ -109,18 +107,21 @@ def run(ctx: StageContext) -> StageResult:
             task.advance()
             if all(c.ok for c in checks):
                 for probe in probe_list:
+                    current = f"probe '{probe.name}'"
                     reply = client.generate(probe.prompt, probe.max_new_tokens, probe.chat)
                     texts[probe.name] = reply.text
                     checks.append(pr.check_probe(probe, reply, acc.degeneration))
                     task.advance()
                 det = next(p for p in probe_list if p.name == det_name)
+                current = f"determinism probe '{det_name}'"
                 again = client.generate(det.prompt, det.max_new_tokens, det.chat)
                 checks.append(pr.check_determinism(det_name, texts[det_name], again.text))
                 task.advance()
         except pr.ServerUnreachable as exc:
-            checks.append(Check.verdict("server answers", False, str(exc), dead_fix))
+            checks.append(Check.verdict("server answers", False, f"{current}: {exc}",
+                                        dead_fix))
         except ValueError as exc:
-            checks.append(Check.verdict("server answers", False, str(exc),
+            checks.append(Check.verdict("server answers", False, f"{current}: {exc}",
                                         "is --api right for this server (native or openai)?"))
         if all(c.ok is not False for c in checks):
             buckets, tp_check = _throughput(ctx, client, record, log_path, quick, gate,

@@ -2,7 +2,9 @@
 
 1. Read config.json (dims) and the safetensors index of the source; validate every
    tensor of the selected layers (names, dtypes, shapes, shard sizes) before writing.
-2. Skip layers whose final file exists with the exact expected size (unless --force).
+2. Skip layers whose final file exists with the exact expected size and was made from
+   this very source (shard names, sizes, digests of header and sampled data, recorded
+   beside the files in `.dsv4-layer-sources.json`), unless --force.
 3. Check free disk for the rest, then convert `--jobs` layers at once (processes). Each
    layer streams expert by expert: map the native bytes, repack them into 17-byte
    blocks, pwrite them into a preallocated `<name>.tmp`; fsync; rename. A killed run
@@ -18,11 +20,13 @@ import multiprocessing
 import queue
 import shutil
 import time
+from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import (
     GIB,
@@ -30,7 +34,11 @@ from dsv4_offload.weights.convert import (
     convert_layer,
     default_jobs,
     gguf_dir,
+    layer_source,
     parse_layers,
+    read_layer_sources,
+    record_layer_source,
+    source_change,
     source_dir,
     temp_path,
 )
@@ -111,7 +119,7 @@ class _Bars:
 
 
 def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
-                  bars: _Bars) -> list[LayerOutcome]:
+                  bars: _Bars, done: Callable[[LayerOutcome], None]) -> list[LayerOutcome]:
     mp = multiprocessing.get_context("spawn")  # fork is unsafe beside the progress thread
     progress_queue, stop = mp.Queue(), mp.Event()
     outcomes: list[LayerOutcome] = []
@@ -133,6 +141,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
                 for future in [f for f in remaining if f.done()]:
                     remaining.discard(future)
                     outcomes.append(future.result())  # the first failure raises here
+                    done(outcomes[-1])
                     bars.finish(futures[future].layer)
         except BaseException:
             stop.set()  # running layers stop at their next expert and clean up
@@ -189,23 +198,29 @@ def run(ctx: StageContext) -> StageResult:
     source, out_dir = source_dir(ctx), gguf_dir(ctx)
     force = bool(ctx.option("force", False))
     conv = ctx.recipe.conversion
+    digests: dict[Path, str] = {}
     with Checkpoint.open(source) as ckpt:
         dims = ckpt.dims
         layers = parse_layers(ctx.option("layers"), dims.layers)
-        for layer in layers:  # every tensor checked before any byte is written
-            ckpt.layer_tensors(layer)
+        # every tensor checked before any byte is written; each layer's source fingerprinted
+        sources = {layer: layer_source(ckpt, layer, digests) for layer in layers}
     layouts = {layer: LayerLayout.for_layer(layer, dims, conv) for layer in layers}
 
-    skipped, work = [], []
+    # a file of the right size is kept only when it was made from this very source
+    recorded = read_layer_sources(out_dir)
+    skipped, work, redone = [], [], {}
     for layer in layers:
         final = out_dir / conv.file_name(layer)
-        if _size(final) == layouts[layer].file_bytes and not force:
+        change = source_change(recorded.get(final.name), sources[layer])
+        if _size(final) == layouts[layer].file_bytes and not force and change is None:
             skipped.append(layer)
-        else:
-            work.append((layouts[layer], final))
+            continue
+        if _size(final) == layouts[layer].file_bytes and not force and change:
+            redone[str(layer)] = change
+        work.append((layouts[layer], final))
 
     base = {"source": str(source), "gguf_dir": str(out_dir), "dims": dims.as_dict(),
-            "layers": layers, "skipped": skipped}
+            "layers": layers, "skipped": skipped, "redone_source_changed": redone}
     outputs = {"source": str(source), "gguf_dir": str(out_dir), "layers": layers,
                "dims": dims.as_dict(),
                "file_bytes": {str(k): v.file_bytes for k, v in layouts.items()}}
@@ -238,6 +253,12 @@ def run(ctx: StageContext) -> StageResult:
     jobs = min(jobs, len(work))
     t0 = time.monotonic()
     bars = _Bars(ctx, need, t0)
+    for _layout, final in work:  # until it is rewritten, a file vouches for no source
+        record_layer_source(out_dir, final.name, None)
+
+    def done(outcome: LayerOutcome) -> None:
+        record_layer_source(out_dir, Path(outcome.path).name, sources[outcome.layer])
+
     try:
         if jobs == 1:
             outcomes = []
@@ -246,9 +267,15 @@ def run(ctx: StageContext) -> StageResult:
                 layer = layout.layer
                 outcomes.append(convert_layer(source, layout, final,
                                               functools.partial(bars.advance, layer)))
+                done(outcomes[-1])
                 bars.finish(layer)
         else:
-            outcomes = _run_parallel(jobs, work, source, bars)
+            outcomes = _run_parallel(jobs, work, source, bars, done)
+    except BrokenProcessPool:
+        raise Dsv4Error(f"a conversion worker died mid-layer (killed by the OS: out of memory "
+                        f"with {jobs} jobs?); finished layers are kept",
+                        hint="rerun `dsv4-offload convert` with fewer --jobs (or --jobs 1)",
+                        ) from None
     finally:
         bars.close()
         # layers rewritten (or half-written) here are no longer what the manifest vouches for
@@ -269,5 +296,5 @@ def run(ctx: StageContext) -> StageResult:
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # --gguf-dir under a file: said at mkdir
         return 0

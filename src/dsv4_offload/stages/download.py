@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from dsv4_offload.core import proxies
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import hubs
 from dsv4_offload.weights import lock as wlock
 from dsv4_offload.workspace.context import StageContext
@@ -63,11 +65,29 @@ class DownloadLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        open_private_log(path).close()  # 0600: hub URLs and client messages land here
 
     def write(self, text: str) -> None:
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(f"{now_iso()} {text}\n")
+        with open_private_log(self.path) as fh:
+            fh.write(f"{now_iso()} {redact(text)}\n")
+
+
+STALL_ENV = "DSV4_DOWNLOAD_STALL_S"
+
+
+def stall_seconds() -> float:
+    """Seconds under 1 KB/s before a download counts as stalled ($DSV4_DOWNLOAD_STALL_S)."""
+    raw = os.environ.get(STALL_ENV, "").strip()
+    if not raw:
+        return hubs.STALL_SECONDS
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < 86400:
+        raise InputError(f"{STALL_ENV}={raw!r}: give seconds, more than 0 (the default is "
+                         f"{hubs.STALL_SECONDS:.0f})")
+    return value
 
 
 @contextlib.contextmanager
@@ -121,6 +141,7 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
 
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
+    stall_seconds()  # a bad value is refused before any traffic
     log = DownloadLog(ctx.log_dir / "download.log")
     with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
@@ -203,7 +224,7 @@ def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
         "repo_id": listing.repo_id if listing else None,
         "revision": listing.revision if listing else None,
         "resolved": listing.resolved if listing else None,
-        "endpoint": listing.endpoint if listing else None,
+        "endpoint": redact(listing.endpoint) if listing else None,
         "files": len(listing.files) if listing else 0,
         "bytes": listing.total_bytes if listing else 0,
         "fetched": r.fetched,
@@ -305,12 +326,19 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     # 1. what is on disk already
     to_check, to_fetch = [], []
     for f in listing.files:
-        local = local_dir / f.path
+        local = hubs.confined(local_dir, f.path, f"weights.{name} listing")
         try:
             st = local.stat()
         except FileNotFoundError:
             to_fetch.append(f)
             continue
+        except NotADirectoryError:
+            blocker = next((p for p in reversed(local.parents) if p.is_file()), local)
+            raise InputError(f"{blocker}: a file where the directory of {f.path} should be; "
+                             "move it aside and rerun") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise InputError(f"{local}: not a regular file (a directory, FIFO or device) where "
+                             "the listed file goes; move it aside and rerun")
         if _still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
             continue
         if st.st_size != f.size:
@@ -397,7 +425,7 @@ def check_structure_only(ctx: StageContext, name: str, local_dir: Path, record_p
             report.problems.append(Problem(
                 "error", f"{name}: {index}: no 'weight_map' object", fix=no_record, check=name))
             return report
-        wanted |= {str(v) for v in weight_map.values()}
+        wanted |= {hubs.listed_path(v, f"{index}: weight_map") for v in weight_map.values()}
     from safetensors import safe_open
 
     bad: list[str] = []
@@ -443,7 +471,8 @@ def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[h
 
     with ctx.task(f"download {name}", total=need, unit="B") as task:
         failures = hubs.fetch(listing, files, local_dir, ctx.workspace.hub_cache_dir,
-                              max_workers=workers, on_file_done=file_done, on_poll=poll)
+                              max_workers=workers, on_file_done=file_done, on_poll=poll,
+                              stall_s=stall_seconds())
     for path, err in sorted(failures.items()):
         log.write(f"{name}: {path}: download failed: {err}")
         report.missing.append(path)

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.inputs import read_user_text
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import default_jobs, gguf_dir, parse_layers, source_dir
 from dsv4_offload.workspace.context import StageContext
@@ -66,7 +67,7 @@ def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report)
         path = paths[layer]
         try:
             size = path.stat().st_size
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             report.error(f"layer {layer}: {path} is missing",
                          f"run `dsv4-offload convert --layers {layer}`", "level1")
             continue
@@ -85,6 +86,30 @@ def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report)
                 found = [f"header byte {at} differs from the converter's header"]
         for text in found:
             report.error(f"layer {layer}: {path.name}: {text}", _redo(layer), "structure")
+
+
+def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: Report) -> None:
+    """Each file against the source it was converted from (recorded by convert): a file of
+    the right shape made from other weights passes every other level, so it is named here."""
+    from dsv4_offload.weights.checkpoint import Checkpoint
+    from dsv4_offload.weights.convert import layer_source, read_layer_sources, source_change
+
+    recorded = read_layer_sources(out_dir)
+    digests: dict[Path, str] = {}
+    unrecorded = []
+    with Checkpoint.open(source) as ckpt:
+        for layer, path in paths.items():
+            change = source_change(recorded.get(path.name), layer_source(ckpt, layer, digests))
+            if change is not None and path.name not in recorded:
+                unrecorded.append(layer)
+            elif change is not None:
+                report.error(f"layer {layer}: {path.name} was converted from other weights: "
+                             f"{change} ({source})", _redo(layer), "source")
+    if unrecorded:
+        report.warn(f"{len(unrecorded)} layer file(s) have no record of their source in "
+                    f"{out_dir} (converted by hand or by an older version): layers "
+                    f"{unrecorded[:8]}", "rerun `dsv4-offload convert --force` to record it",
+                    "source")
 
 
 # --- level 2 -------------------------------------------------------------------------------
@@ -131,10 +156,8 @@ def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
     manifest = ctx.option("manifest")
     if manifest:
         path = Path(manifest)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except OSError as exc:
-            raise InputError(f"--manifest {path}: {exc.strerror}; give a sha256sum file") from None
+        text = read_user_text(path, "manifest", 1 << 20, "give a sha256sum file",
+                              label=f"--manifest {path}")
         return parse_manifest(text, str(path)), str(path)
     conv = ctx.recipe.conversion
     if real_dims and conv.digests:
@@ -334,6 +357,8 @@ def run(ctx: StageContext) -> StageResult:
                        dims_from=str(source / CONFIG_FILE) if has_source else "recipe")
 
     check_files(layouts, paths, report)
+    if has_source and not report.failed:
+        check_sources(source, out_dir, paths, report)
     report.levels["1"] = "failed" if report.failed else "ok"
     if report.failed:
         return _result(report, f"level 1 failed for {len(layers)} layer file(s) in {out_dir}")

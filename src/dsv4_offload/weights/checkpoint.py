@@ -18,6 +18,7 @@ import math
 import mmap
 import os
 import re
+import stat
 import struct
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.workspace.store import create_exclusive
 
 if TYPE_CHECKING:
     import numpy as np
@@ -48,6 +50,10 @@ CONFIG_KEYS = {
     "hidden": "hidden_size",
     "intermediate": "moe_intermediate_size",
 }
+# far above any real model, far below what would make a loop or a shape absurd
+CONFIG_LIMITS = {"layers": 4096, "experts": 65536, "experts_per_token": 4096,
+                 "hidden": 1 << 20, "intermediate": 1 << 22}
+MAX_TENSOR_DIMS = 8
 REFETCH = "rerun `dsv4-offload download mxfp4` (it resumes and re-checks sizes)"
 _EXPERT_KEY = re.compile(
     r"^(model\.)?layers\.(\d+)\.ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$"
@@ -113,6 +119,10 @@ def parse_config(path: Path) -> MoeDims:
             raise InputError(
                 f"{path}: field '{key}' is {value!r}, expected a positive integer; {REFETCH}"
             )
+        if value > CONFIG_LIMITS[attr]:
+            raise InputError(
+                f"{path}: field '{key}' is {value}, over {CONFIG_LIMITS[attr]} (no model has "
+                f"that many); the file is damaged or not this model's config; {REFETCH}")
         values[attr] = value
     dims = MoeDims(**values)
     for what, k in (("hidden_size", dims.hidden), ("moe_intermediate_size", dims.intermediate)):
@@ -139,7 +149,11 @@ class TensorEntry:
 def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
     """The tensors of one shard, checked against the file's size (catches truncation)."""
     try:
-        size = path.stat().st_size
+        st = path.stat()
+        size = st.st_size
+        if not stat.S_ISREG(st.st_mode):  # a FIFO or a device would block or never end
+            raise InputError(f"{path}: not a regular file (a FIFO, socket or device); put the "
+                             f"shard itself there; {REFETCH}")
         with open(path, "rb") as fh:
             head = fh.read(8)
             if len(head) < 8:
@@ -155,21 +169,13 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
         raise InputError(f"{path}: shard missing (listed in {INDEX_FILE}); {REFETCH}") from None
     except OSError as exc:
         raise InputError(f"{path}: unreadable ({exc.strerror}); check permissions") from None
-    try:
-        doc = json.loads(raw)
-    except ValueError as exc:
-        raise InputError(f"{path}: safetensors header is not JSON ({exc}); {REFETCH}") from None
+    doc = _header_json(path, raw)
     base = 8 + header_len
     entries: dict[str, TensorEntry] = {}
     for name, info in doc.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = str(info["dtype"])
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise InputError(f"{path}: header entry '{name}' is malformed; {REFETCH}") from None
+        dtype, shape, start, end = _header_entry(path, name, info)
         count = math.prod(shape)
         if dtype in DTYPE_BYTES and end - start != count * DTYPE_BYTES[dtype]:
             raise InputError(
@@ -182,7 +188,73 @@ def read_safetensors_header(path: Path) -> dict[str, TensorEntry]:
                 f"{REFETCH}"
             )
         entries[name] = TensorEntry(name, path, dtype, shape, base + start, end - start)
+    spans = sorted((e.offset, e.offset + e.nbytes, e.name) for e in entries.values() if e.nbytes)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:], strict=False):
+        if start_b < end_a:
+            raise InputError(f"{path}: tensors '{a}' and '{b}' overlap in the file; the header "
+                             f"is damaged; {REFETCH}")
     return entries
+
+
+SAMPLES = 8
+SAMPLE_BYTES = 64 << 10
+
+
+def safetensors_digest(path: Path) -> str:
+    """A short sha256 of a shard's header (names, dtypes, shapes, offsets) and of 8 evenly
+    spaced 64 KiB samples of its data: a replaced shard is told apart, even one with the
+    same tensors and size, by reading half a MiB instead of hashing gigabytes."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        head = fh.read(8)
+        (header_len,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        digest.update(head + fh.read(min(header_len, 100 * 2**20)))
+        start = 8 + header_len
+        span = max(0, size - start - SAMPLE_BYTES)
+        for i in range(SAMPLES):
+            fh.seek(start + span * i // max(1, SAMPLES - 1))
+            digest.update(fh.read(SAMPLE_BYTES))
+    return digest.hexdigest()[:16]
+
+
+def _reject_constant(token: str) -> Any:
+    raise ValueError(f"{token} is not a JSON number")
+
+
+def _header_json(path: Path, raw: bytes) -> dict[str, Any]:
+    """The header as a JSON object of objects (no NaN/Infinity, no list, no nesting)."""
+    try:
+        doc = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as exc:
+        raise InputError(f"{path}: safetensors header is not JSON "
+                         f"({str(exc).splitlines()[0][:120]}); {REFETCH}") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"{path}: safetensors header is a JSON {type(doc).__name__}, not an "
+                         f"object of tensors; {REFETCH}")
+    return doc
+
+
+def _header_entry(path: Path, name: str, info: Any) -> tuple[str, tuple[int, ...], int, int]:
+    """(dtype, shape, start, end) of one header entry, each checked for type and range."""
+    def bad(why: str) -> InputError:
+        return InputError(f"{path}: header entry '{name[:120]}' {why}; {REFETCH}")
+
+    if not isinstance(info, dict):
+        raise bad("is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if not isinstance(dtype, str) or not re.fullmatch(r"[A-Za-z0-9_]{1,16}", dtype):
+        raise bad("has no dtype name")
+    if not isinstance(shape, list) or len(shape) > MAX_TENSOR_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 40 for d in shape):
+        raise bad(f"has a shape that is not a list of up to {MAX_TENSOR_DIMS} sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(
+            isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 48 for x in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad("has data_offsets that are not [start, end] with 0 <= start <= end")
+    return dtype, tuple(shape), offsets[0], offsets[1]
 
 
 @dataclass
@@ -211,6 +283,11 @@ class Checkpoint:
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise InputError(f"{index_path}: field 'weight_map' is missing or empty; {REFETCH}")
+        for key, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or shard.startswith("/") \
+                    or any(part in ("", ".", "..") for part in shard.split("/")):
+                raise InputError(f"{index_path}: weight_map['{str(key)[:80]}'] = {shard!r:.80} is "
+                                 f"not a shard file inside {root}; {REFETCH}")
         prefix = "model." if any(k.startswith("model.layers.") for k in weight_map) else ""
         return cls(root, dims, {str(k): str(v) for k, v in weight_map.items()}, prefix)
 
@@ -365,7 +442,7 @@ def write_safetensors(path: Path, tensors: Iterable[TensorSpec]) -> None:
     raw += b" " * (-len(raw) % 8)
     tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with os.fdopen(create_exclusive(tmp), "wb") as fh:
             fh.write(struct.pack("<Q", len(raw)))
             fh.write(raw)
             for spec in specs:

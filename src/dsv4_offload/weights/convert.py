@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.workspace.store import create_exclusive
 
 if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
@@ -104,6 +105,75 @@ def temp_path(final: Path) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
+# --- what each layer file was made from ----------------------------------------------------
+
+# beside the layer files: file name -> the fingerprint of the source it was converted from
+SOURCES_FILE = ".dsv4-layer-sources.json"
+
+
+def layer_source(ckpt: Any, layer: int, header_digests: dict[Path, str]) -> dict[str, Any]:
+    """The fingerprint of the source of one layer: the shards that hold its tensors (name,
+    size, digest of header and sampled data) and the tensors' places in them.
+    ``header_digests`` is a cache per shard."""
+    import hashlib
+    import json
+
+    from dsv4_offload.weights.checkpoint import safetensors_digest
+
+    entries = [e for _proj, pairs in ckpt.layer_tensors(layer) for pair in pairs for e in pair]
+    shards: dict[str, dict[str, Any]] = {}
+    for shard in sorted({e.shard for e in entries}):
+        if shard not in header_digests:
+            header_digests[shard] = safetensors_digest(shard)
+        shards[shard.name] = {"size": shard.stat().st_size, "digest": header_digests[shard]}
+    places = json.dumps([(e.name, e.shard.name, e.dtype, list(e.shape), e.offset, e.nbytes)
+                         for e in entries])
+    return {"shards": shards, "tensors": hashlib.sha256(places.encode()).hexdigest()[:16]}
+
+
+def read_layer_sources(out_dir: Path) -> dict[str, Any]:
+    from dsv4_offload.workspace.store import read_json
+
+    if not out_dir.is_dir():  # nothing converted there yet (or not a directory: said later)
+        return {}
+    doc = read_json(out_dir / SOURCES_FILE, {})
+    return doc if isinstance(doc, dict) else {}
+
+
+def record_layer_source(out_dir: Path, name: str, fingerprint: dict[str, Any] | None) -> None:
+    """Set (or with None, drop) the recorded source of one layer file."""
+    from dsv4_offload.workspace.store import atomic_write_json
+
+    doc = read_layer_sources(out_dir)
+    if fingerprint is None:
+        if doc.pop(name, None) is None:
+            return
+    else:
+        doc[name] = fingerprint
+    try:
+        atomic_write_json(out_dir / SOURCES_FILE, doc)
+    except OSError as exc:
+        raise _disk_error(exc, out_dir / SOURCES_FILE, 0) from None
+
+
+def source_change(recorded: Any, current: dict[str, Any]) -> str | None:
+    """None when ``recorded`` is ``current``; otherwise what differs, in a few words."""
+    if not isinstance(recorded, dict):
+        return "no record of the source it was converted from"
+    if recorded == current:
+        return None
+    old, new = recorded.get("shards") or {}, current["shards"]
+    for name in sorted(set(old) | set(new)):
+        if name not in new:
+            return f"its tensors are no longer in {name}"
+        if name not in old:
+            return f"its tensors are now in {name}"
+        if old[name] != new[name]:
+            what = "size" if old[name].get("size") != new[name]["size"] else "content"
+            return f"source shard {name} changed ({what})"
+    return "its tensors moved within the source shards"
+
+
 # --- one layer -----------------------------------------------------------------------------
 
 
@@ -167,7 +237,7 @@ def convert_layer(source: Path, layout: Any, final: Path,
             raise InputError(f"{source}: config.json changed during the conversion; rerun")
         entries = ckpt.layer_tensors(layout.layer)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            fd = create_exclusive(tmp)
         except OSError as exc:
             raise _disk_error(exc, final, size) from None
         try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import re
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -157,13 +158,28 @@ def _header_bytes(layout: LayerLayout) -> bytes:
 
 
 def structural_problems(path: Path, layout: LayerLayout) -> list[str]:
-    """Check a layer file with the `gguf` reader: magic, version, KV, tensor infos, offsets."""
+    """Check a layer file with the `gguf` reader: magic, version, KV, tensor infos, offsets.
+
+    The file is untrusted: whatever the third-party reader raises on a damaged header (a
+    struct or numpy error, a non-UTF-8 string, an absurd count) is one problem line.
+    """
+    try:
+        if not path.is_file():
+            return ["not a regular file (a FIFO, socket or device)"]
+        with warnings.catch_warnings():  # numpy's overflow warnings on absurd counts
+            warnings.simplefilter("ignore", RuntimeWarning)
+            return _structural_problems(path, layout)
+    except MemoryError:
+        return ["not a readable GGUF file (its header asks for more memory than there is)"]
+    except Exception as exc:  # the gguf package's reader raises many types on bad input
+        text = str(exc).splitlines()[0][:160] if str(exc) else ""
+        return [f"not a readable GGUF file ({type(exc).__name__}: {text})"]
+
+
+def _structural_problems(path: Path, layout: LayerLayout) -> list[str]:
     import gguf
 
-    try:
-        reader = gguf.GGUFReader(path)
-    except (ValueError, OSError, IndexError) as exc:
-        return [f"not a readable GGUF file ({exc})"]
+    reader = gguf.GGUFReader(path)
     problems = []
     version = reader.get_field("GGUF.version")
     if version is None or version.contents() != GGUF_VERSION:

@@ -14,17 +14,23 @@ import hashlib
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.runner import open_private_log, redact
 
 HUBS = ("huggingface", "modelscope")
 DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}
 ENDPOINT_ENV = {"huggingface": "HF_ENDPOINT", "modelscope": "MODELSCOPE_ENDPOINT"}
 HASH_CHUNK = 8 << 20
+MAX_LISTED_PATH = 1024
+# a transfer under this rate for STALL_SECONDS is stalled (git's own low-speed limit, 1 KB/s)
+STALL_BYTES_PER_S = 1000
+STALL_SECONDS = 120.0
 
 
 class HubError(Dsv4Error):
@@ -46,7 +52,38 @@ class HubFile:
                 or not isinstance(value.get("size"), int) or value["size"] < 0:
             raise InputError(f"{where}: a file entry lacks 'path' or a non-negative 'size'; "
                              "delete the file and rerun `dsv4-offload download` online")
-        return cls(value["path"], value["size"], value.get("sha256"), value.get("git_oid"))
+        sha, oid = value.get("sha256"), value.get("git_oid")
+        return cls(listed_path(value["path"], where), value["size"],
+                   sha if isinstance(sha, str) else None, oid if isinstance(oid, str) else None)
+
+
+def listed_path(path: Any, where: str) -> str:
+    """``path`` from a listing when it is a plain relative path (no '/', '..', '.', NUL at
+    its start or inside); otherwise an InputError naming the entry, before anything is
+    written or deleted for it."""
+    text = path if isinstance(path, str) else repr(path)
+    parts = text.split("/")
+    if not isinstance(path, str) or not path or len(path) > MAX_LISTED_PATH \
+            or any(part in ("", ".", "..") for part in parts) \
+            or any(ord(c) < 32 or c == "\\" for c in path):
+        raise InputError(
+            f"{where}: listing entry {text[:120]!r} is not a relative path inside the weights "
+            "directory (absolute, '..', empty part or control character); refusing the whole "
+            "listing — check the hub or --endpoint mirror you use")
+    return path
+
+
+def confined(local_dir: Path, path: str, where: str) -> Path:
+    """``local_dir / path`` after checking that ``path`` is a plain relative path and that no
+    directory or file on the way below ``local_dir`` is a symlink."""
+    probe = local_dir
+    for part in listed_path(path, where).split("/"):
+        probe = probe / part
+        if probe.is_symlink():
+            raise InputError(f"{where}: listing entry '{path}' goes through the symlink {probe}; "
+                             "remove that link (weights are written only inside "
+                             f"{local_dir}) and rerun")
+    return probe
 
 
 @dataclass
@@ -73,7 +110,7 @@ class HubListing:
 
     def as_dict(self) -> dict[str, Any]:
         return {"hub": self.hub, "repo_id": self.repo_id, "revision": self.revision,
-                "resolved": self.resolved, "endpoint": self.endpoint,
+                "resolved": self.resolved, "endpoint": redact(self.endpoint),
                 "files": [asdict(f) for f in self.files]}
 
     @classmethod
@@ -91,8 +128,8 @@ def resolve_endpoint(hub: str, override: str | None = None) -> str:
     """--endpoint wins, then the hub's own variable (HF_ENDPOINT, MODELSCOPE_ENDPOINT)."""
     value = override or os.environ.get(ENDPOINT_ENV[hub]) or DEFAULT_ENDPOINTS[hub]
     if not value.startswith(("http://", "https://")):
-        raise InputError(f"endpoint '{value}' for {hub} must start with http:// or https:// "
-                         f"(from --endpoint or {ENDPOINT_ENV[hub]})")
+        raise InputError(f"endpoint '{redact(value)}' for {hub} must start with http:// or "
+                         f"https:// (from --endpoint or {ENDPOINT_ENV[hub]})")
     return value.rstrip("/")
 
 
@@ -108,12 +145,34 @@ def offline_by_env(hub: str) -> bool:
 
 
 def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
-    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
     return HubError(
-        f"cannot list {repo_id} on {hub} at {endpoint} ({type(exc).__name__}: {reason[:160]})",
+        f"cannot list {repo_id} on {hub} at {redact(endpoint)} "
+        f"({type(exc).__name__}: {reason[:160]})",
         hint=f"check the network or a mirror (--endpoint URL or {ENDPOINT_ENV[hub]}); if the "
         "files are already on disk, rerun with --local-dir-only",
     )
+
+
+def _not_a_listing(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
+    reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
+    return HubError(
+        f"{hub} at {redact(endpoint)} answered the listing of {repo_id} with something that "
+        f"is not a file listing ({type(exc).__name__}: {reason[:120]})",
+        hint=f"check --endpoint / {ENDPOINT_ENV[hub]}: a proxy's HTML page or a wrong URL "
+        "answers like this")
+
+
+def _listed_file(path: Any, size: Any, sha256: Any, git_oid: Any) -> HubFile:
+    """One listing entry, typed: a size that is not a non-negative integer is refused."""
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"entry {str(path)[:120]!r} has size {str(size)[:40]!r}")
+    for value in (sha256, git_oid):
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"entry {str(path)[:120]!r} has a hash that is not text")
+    if not isinstance(path, str):
+        raise ValueError(f"entry path {str(path)[:120]!r} is not text")
+    return HubFile(path, size, sha256, git_oid)
 
 
 def filter_paths(paths: list[str], allow_patterns: list[str]) -> list[str]:
@@ -132,6 +191,9 @@ def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
         listing = _list_modelscope(repo_id, revision, endpoint)
     else:  # the recipe model only admits HUBS
         raise InputError(f"unknown hub '{hub}'; use one of {list(HUBS)}")
+    where = f"{hub} listing of {repo_id}@{revision} at {redact(endpoint)}"
+    for f in listing.files:
+        listed_path(f.path, where)
     keep = set(filter_paths([f.path for f in listing.files], allow_patterns))
     listing.files = [f for f in listing.files if f.path in keep]
     if not listing.files:
@@ -155,16 +217,19 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
     try:
         info = api.repo_info(repo_id, revision=revision)
         if not info.sha:
-            raise HubError(f"{endpoint}: repo info of {repo_id}@{revision} has no commit sha")
+            raise HubError(f"{redact(endpoint)}: repo info of {repo_id}@{revision} has no "
+                           "commit sha")
         entries = list(api.list_repo_tree(repo_id, recursive=True, revision=info.sha))
     except RevisionNotFoundError:
         raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
                          "weights.*.revision in the recipe") from None
     except RepositoryNotFoundError:
-        raise InputError(f"{repo_id} not found on huggingface at {endpoint} (or it is gated: "
-                         "log in with `hf auth login`); fix weights.*.repo_id") from None
+        raise InputError(f"{repo_id} not found on huggingface at {redact(endpoint)} (or it is "
+                         "gated: log in with `hf auth login`); fix weights.*.repo_id") from None
     except (HfHubHTTPError, OSError) as exc:
         raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
     except Exception as exc:
         # transport errors (connect, timeout) come from the client's httpx-family package,
         # whose name changes between huggingface_hub releases; match it by module
@@ -172,11 +237,14 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
             raise _unreachable("huggingface", repo_id, endpoint, exc) from None
         raise
     files = []
-    for e in entries:
-        if not isinstance(e, RepoFile):
-            continue
-        sha = e.lfs.sha256 if e.lfs is not None else None
-        files.append(HubFile(e.path, int(e.size), sha, None if sha else e.blob_id))
+    try:
+        for e in entries:
+            if not isinstance(e, RepoFile):
+                continue
+            sha = e.lfs.sha256 if e.lfs is not None else None
+            files.append(_listed_file(e.path, e.size, sha, None if sha else e.blob_id))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
     return HubListing("huggingface", repo_id, revision, info.sha, endpoint, files)
 
 
@@ -188,16 +256,22 @@ def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
     try:
         entries = HubApi(endpoint=endpoint).list_repo_files(repo_id, "model", revision=revision)
     except NotExistError:
-        raise InputError(f"{repo_id}@{revision} not found on modelscope at {endpoint}; fix "
+        raise InputError(f"{repo_id}@{revision} not found on modelscope at {redact(endpoint)}; fix "
                          "weights.*.repo_id / revision in the recipe") from None
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # before requests':
+        # its JSONDecodeError is a RequestException too
+        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
     except (requests.RequestException, OSError) as exc:
         raise _unreachable("modelscope", repo_id, endpoint, exc) from None
     except Exception as exc:
         if type(exc).__module__.startswith("modelscope_hub"):
             raise _unreachable("modelscope", repo_id, endpoint, exc) from None
         raise
-    files = [HubFile(e.path, int(e.size), (e.sha256 or "").lower() or None)
-             for e in entries if getattr(e, "type", "blob") != "tree"]
+    try:
+        files = [_listed_file(e.path, e.size, (e.sha256 or "").lower() or None, None)
+                 for e in entries if getattr(e, "type", "blob") != "tree"]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
     # ModelScope's listing names no repo-wide commit; the listing digest stands in for it
     return HubListing("modelscope", repo_id, revision, None, endpoint, files)
 
@@ -217,9 +291,13 @@ def client_output_to(log: Path) -> Iterator[None]:
     """
     import logging
 
-    log.parent.mkdir(parents=True, exist_ok=True)
+    class Redacting(logging.Formatter):
+        def format(self, record: logging.LogRecord) -> str:
+            return redact(super().format(record))
+
+    open_private_log(log).close()  # 0600 before the handler appends to it
     handler = logging.FileHandler(log, encoding="utf-8")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handler.setFormatter(Redacting("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
     for name in CLIENT_LOGGERS:
         logger = logging.getLogger(name)
@@ -278,7 +356,8 @@ def client_metadata_paths(hub: str, local_dir: Path, path: str) -> list[Path]:
 
 def forget_local_copy(hub: str, local_dir: Path, path: str) -> None:
     """Delete a bad local copy and the client's notes on it, so the next fetch starts clean."""
-    for p in [local_dir / path, *client_metadata_paths(hub, local_dir, path)]:
+    local = confined(local_dir, path, f"{hub} local copy in {local_dir}")
+    for p in [local, *client_metadata_paths(hub, local_dir, path)]:
         with contextlib.suppress(FileNotFoundError):
             p.unlink()
 
@@ -326,11 +405,14 @@ def check_content(local: Path, expected: HubFile,
 
 def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir: Path, *,
           max_workers: int = 4, on_file_done: Callable[[HubFile], None] | None = None,
-          on_poll: Callable[[], None] | None = None) -> dict[str, str]:
+          on_poll: Callable[[], None] | None = None,
+          stall_s: float = STALL_SECONDS) -> dict[str, str]:
     """Download ``files`` into ``local_dir`` with the hub's client (it resumes what it can).
 
     Returns {path: error line} for the files that failed (the others are on disk).
-    ``on_poll`` is called about once a second while downloads run (byte progress).
+    ``on_poll`` is called about once a second while downloads run (byte progress). A hub
+    that drips (under STALL_BYTES_PER_S for ``stall_s`` seconds) fails the files still in
+    flight as stalled; their partial bytes stay for the next run to resume.
     """
     local_dir.mkdir(parents=True, exist_ok=True)
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -350,7 +432,7 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
             try:
                 one(listing, f, local_dir, cache_dir)
             except Exception as exc:  # any client error becomes one line for this file
-                text = str(exc).splitlines()[0] if str(exc) else ""
+                text = redact(str(exc).splitlines()[0]) if str(exc) else ""
                 done.put((f, f"{type(exc).__name__}: {text[:200]}"))
             else:
                 done.put((f, None))
@@ -362,6 +444,8 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
         todo.put(None)
         threading.Thread(target=worker, daemon=True, name="hub-fetch").start()
     failures: dict[str, str] = {}
+    finished: set[str] = set()
+    window = [time.monotonic(), partial_bytes(listing.hub, local_dir), 0]  # start, bytes, files
     for _ in files:
         while True:
             try:
@@ -370,11 +454,30 @@ def fetch(listing: HubListing, files: list[HubFile], local_dir: Path, cache_dir:
             except queue.Empty:
                 if on_poll:
                     on_poll()
+                if _stalled(window, partial_bytes(listing.hub, local_dir), len(finished),
+                            stall_s):
+                    why = (f"stalled: under {STALL_BYTES_PER_S} B/s for {stall_s:.0f} s (a hub "
+                           "or proxy that drips); rerun to resume from the bytes kept")
+                    failures.update({x.path: why for x in files if x.path not in finished
+                                     and x.path not in failures})
+                    return failures  # the daemon workers end with the command
+        finished.add(f.path)
         if error is not None:
             failures[f.path] = error
         elif on_file_done:
             on_file_done(f)
     return failures
+
+
+def _stalled(window: list[Any], partial: int, finished: int, stall_s: float) -> bool:
+    """Whether the transfer has been under STALL_BYTES_PER_S for ``stall_s``; a finished
+    file or enough new bytes starts a new window."""
+    start, start_bytes, start_files = window
+    now = time.monotonic()
+    if finished != start_files or partial - start_bytes >= STALL_BYTES_PER_S * stall_s:
+        window[:] = [now, partial, finished]
+        return False
+    return now - start >= stall_s
 
 
 def drop_stale_partials(local_dir: Path) -> list[Path]:

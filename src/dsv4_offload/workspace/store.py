@@ -50,6 +50,29 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
             os.close(dir_fd)
 
 
+def create_exclusive(path: Path, mode: int = 0o644) -> int:
+    """A new file at ``path`` for writing (its fd): a leftover of a killed run is removed
+    first, and whatever appears there meanwhile (a symlink planted to redirect the write)
+    makes the open fail instead of being followed (O_EXCL, O_NOFOLLOW)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)  # unlinks a symlink itself, never its target
+    return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   mode)
+
+
+def _record_problem(record: Any) -> str | None:
+    """Why a stage record of the state file cannot be read, or None."""
+    if not isinstance(record, dict):
+        return f"a {type(record).__name__}, not an object"
+    for key in ("status", "started", "ended", "log", "summary"):
+        if record.get(key) is not None and not isinstance(record[key], str):
+            return f"'{key}' is not text"
+    for key in ("fingerprint", "outputs"):
+        if record.get(key) is not None and not isinstance(record[key], dict):
+            return f"'{key}' is not an object"
+    return None
+
+
 def atomic_write_json(path: Path, value: Any) -> None:
     text = json.dumps(value, indent=2, sort_keys=False, ensure_ascii=False, default=str) + "\n"
     atomic_write_bytes(path, text.encode("utf-8"))
@@ -239,6 +262,10 @@ class Workspace:
             fh = open(self.lock_file, "a+")  # noqa: SIM115 - held for the whole block
         except PermissionError:
             raise access_error(self.lock_file) from None
+        except OSError as exc:
+            raise InputError(f"{self.lock_file}: cannot open the workspace lock "
+                             f"({exc.strerror}); remove it (it must be a plain file) and "
+                             "rerun") from None
         try:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -306,6 +333,12 @@ class Workspace:
             raise InputError(
                 f"{self.state_file}: not a dsv4-offload state file; move it aside and rerun"
             )
+        for name, record in state["stages"].items():
+            why = _record_problem(record)
+            if why:
+                raise InputError(f"{self.state_file}: the record of stage '{name}' is "
+                                 f"malformed ({why}); delete that entry (or move the file "
+                                 "aside) and rerun: the stage runs again")
         return state
 
     def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
