@@ -21,7 +21,7 @@ import re
 import sys
 import tarfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -77,14 +77,15 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
     return text
 
 
-def _key_files(*docs: Any) -> list[str]:
-    """Every value of a key naming an API key file, anywhere in these JSON-like documents."""
+def _string_values(docs: tuple[Any, ...], wanted: Callable[[str, str], bool]) -> list[str]:
+    """Every string value, anywhere in these JSON-like documents, whose key and value
+    ``wanted`` accepts."""
     found: list[str] = []
 
     def walk(node: Any) -> None:
         if isinstance(node, dict):
             for key, value in node.items():
-                if "key_file" in str(key) and isinstance(value, str) and value:
+                if isinstance(value, str) and value and wanted(str(key), value):
                     found.append(value)
                 walk(value)
         elif isinstance(node, list):
@@ -94,25 +95,16 @@ def _key_files(*docs: Any) -> list[str]:
     for doc in docs:
         walk(doc)
     return found
+
+
+def _key_files(*docs: Any) -> list[str]:
+    """Every value of a key naming an API key file."""
+    return _string_values(docs, lambda key, _value: "key_file" in key)
 
 
 def _named_logs(*docs: Any) -> list[str]:
     """Log paths the records name (the server's log lives where serve put it)."""
-    found: list[str] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                if str(key).endswith("log") and isinstance(value, str) and value.startswith("/"):
-                    found.append(value)
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-
-    for doc in docs:
-        walk(doc)
-    return found
+    return _string_values(docs, lambda key, value: key.endswith("log") and value.startswith("/"))
 
 
 def _read_json(path: Path) -> Any:
