@@ -345,3 +345,20 @@ def test_a_fraction_above_the_floor_with_streaming_prefill_warns_citing_the_guid
     off = build_plan(load_recipe(), host(), ws,
                      base_env={"MEM_FRACTION": "0.85", "KT_PREFILL_STREAM": "0"})
     assert not [w for w in off.warnings if "streaming prefill" in w]
+
+
+def test_set_env_entries_of_pythonpath_are_kept_behind_the_launchers(ws: Workspace):
+    """Issue 17: CANN's set_env.sh puts its python packages on PYTHONPATH before the launcher's
+    L46 runs; the server keeps them, after the launcher's entries (it used to start again
+    from the shell's PYTHONPATH and lose them)."""
+    recipe = load_recipe()
+    cann = os.pathsep.join(["/usr/local/Ascend/ascend-toolkit/latest/python/site-packages",
+                            "/site/extra"])
+    plan = build_plan(recipe, host(), ws, base_env={"PYTHONPATH": "/site/extra"},
+                      script_env={"PYTHONPATH": cann})
+    parts = plan.env["PYTHONPATH"].split(os.pathsep)
+    repo = ws.root / "src/ktransformers"
+    assert parts == [str(repo / "third_party/sglang/python"), str(repo / "kt-kernel/python"),
+                     str(repo / "third_party/sglang/python"), str(repo / "kt-kernel"),
+                     "/usr/local/Ascend/ascend-toolkit/latest/python/site-packages",
+                     "/site/extra"]

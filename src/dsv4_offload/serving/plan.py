@@ -494,14 +494,17 @@ def _operator_env(d: _Draft, ops: Path, ops_origin: str, depool: bool) -> dict[s
     return {}
 
 
-def _interpreter_env(d: _Draft, python: str, python_origin: str) -> dict[str, str]:
+def _interpreter_env(d: _Draft, python: str, python_origin: str,
+                     script_env: Mapping[str, str]) -> dict[str, str]:
     """ensure_kt_kernel.sh L24 + launcher L46, L55-56: PYTHONPATH, and PYTHON_BIN exported.
 
-    PYTHONPATH comes from build.interpreter.server_pythonpath, the one place it is made;
+    PYTHONPATH comes from build.interpreter.server_pythonpath, the one place it is made: the
+    launcher's entries in front of what the shell had by then, which is what CANN's set_env
+    scripts made of it when they ran (they run before L46), else the inherited one.
     PYTHON_BIN is left out when serve.command brings its own server.
     """
-    env = {"PYTHONPATH": server_pythonpath(d.workspace.tree_dir(d.recipe),
-                                           d.base_env.get("PYTHONPATH"))}
+    inherited = script_env.get("PYTHONPATH") or d.base_env.get("PYTHONPATH")
+    env = {"PYTHONPATH": server_pythonpath(d.workspace.tree_dir(d.recipe), inherited)}
     d.origins["PYTHONPATH"] = f"{WORKSPACE} (launcher order, L24 + L46)"
     if not d.own_command:
         env["PYTHON_BIN"] = python  # the launcher exports its choice (L56)
@@ -603,7 +606,7 @@ def build_plan(
     mode_env, mode, mode_reason = _compressor_env(d)
     derived_env = {**checkpoint_env, **mode_env,
                    **_operator_env(d, ops, ops_origin, depool),
-                   **_interpreter_env(d, python, python_origin),
+                   **_interpreter_env(d, python, python_origin, script_env or {}),
                    **_toolkit_env(d, toolkit, toolkit_origin),
                    **_device_env(d, dev, dev_reason, device), **eager_env}
     env, env_set, env_unset = _environment(d, (dict(script_env or {}), knob_env, derived_env))
