@@ -169,6 +169,14 @@ acceptance:
     assert theirs.returncode != 0
     up_seconds = time.monotonic() - started
 
+    # doctor on the host judges the image's rows in the image (python 3.11, the compilers)
+    doctor = cli("--json", "doctor")
+    rows = {c["name"]: c for c in json.loads(doctor.stdout)["data"]["data"]["checks"]}
+    assert rows["python"]["observed"].startswith(f"in {NAME}: "), rows["python"]
+    assert "3.11" in rows["python"]["observed"], rows["python"]
+    assert rows["libhwloc"]["status"] == "ok", rows["libhwloc"]  # baked into this image
+    assert rows["libhwloc"]["observed"].startswith(f"in {NAME}: "), rows["libhwloc"]
+
     # a second `up` reuses it and reinstalls nothing
     again = cli("--json", "container", "up")
     assert again.returncode == 0, again
@@ -211,10 +219,19 @@ acceptance:
     assert argv[argv.index("--kt-num-gpu-experts") + 1] == "24"
     assert got["env"]["CHUNKED_PREFILL_SIZE"] == "32768"
     # the delivery's `-p PORT:PORT` publishes it: the host reaches the server inside
+    import urllib.error
     import urllib.request
 
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
-        assert answer.status == 200
+    # (docker's userland proxy may reset the first connections while it sets the port up)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
+                assert answer.status == 200
+                break
+        except (ConnectionError, urllib.error.URLError):
+            assert time.monotonic() < deadline, "the published port never answered"
+            time.sleep(1)
     # `accept` runs inside too, against the server there
     accepted = cli("--json", "accept")
     assert accepted.returncode == 0, accepted

@@ -417,6 +417,7 @@ def test_doctor_says_which_python_and_why(monkeypatch: pytest.MonkeyPatch,
                                           tmp_path: Path) -> None:
     monkeypatch.setenv("PYTHON_BIN", sys.executable)
     monkeypatch.delenv("DSV4_HOST_ROOT", raising=False)
+    as_in_the_image(monkeypatch)  # the launcher's python is the image's to choose
     result = doctor.run(context(tmp_path))
     check = {c["name"]: c for c in result.data["checks"]}["python"]
     assert check["status"] == "ok"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error
 from dsv4_offload.core.host import (
+    HOST_ROOT_ENV,
     HostFacts,
     NpuInfo,
     choose_npu,
@@ -31,7 +33,7 @@ from dsv4_offload.core.results import Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import CONTAINER, context_of
-from dsv4_offload.workspace.store import atomic_write_json
+from dsv4_offload.workspace.store import HANDOFF_ENV, atomic_write_json
 
 OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024**3
@@ -593,8 +595,12 @@ def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     from dsv4_offload.core.host import HOST_ROOT_ENV
     from dsv4_offload.serving import container
 
-    # a captured host says for itself whether it is a container (its own /.dockerenv)
-    rf = RuntimeFacts(inside=container.inside_container(Path(facts.root)))
+    # a captured host says for itself whether it is a container (its own /.dockerenv); a
+    # container that has a docker client of its own is a host to the containers it starts
+    # (a CI runner, a dev container), unless our own exec marked this process as inside
+    inside = bool(os.environ.get(container.IN_CONTAINER_ENV)) or (
+        container.inside_container(Path(facts.root)) and not facts.tools.get("docker"))
+    rf = RuntimeFacts(inside=inside)
     if (recipe.host.docker != "unused" and facts.tools.get("docker")
             and not os.environ.get(HOST_ROOT_ENV)):
         rf.daemon = container.daemon_problem()  # what the container stages will meet
@@ -655,6 +661,43 @@ def in_image(check: Check, image: str) -> Check:
                  "exec -- doctor` checks it there")
 
 
+def judged_in_the_image(ctx: StageContext, checks: list[Check]) -> list[Check]:
+    """The image-side rows judged where they belong: when the recipe's container runs, doctor
+    runs there too (this tool from its venv, the knobs crossing by name) and each row shown
+    as ``checked in the image`` takes the verdict it got inside, marked ``in NAME:``. With no
+    container up the rows stay as they are (their fix says how to check them)."""
+    from dsv4_offload.core.errors import Dsv4Error
+    from dsv4_offload.core.runner import capture
+    from dsv4_offload.serving import container as ct
+
+    try:
+        plan = ct.plan_container(ctx.recipe, ctx.workspace)
+        found = ct.find_container(plan.name)
+    except Dsv4Error:
+        return checks
+    if found is None or found.state != "running":
+        return checks
+    path = ctx.recipe.file
+    argv = ct.exec_argv(plan, ctx.workspace, str(path) if path else None,
+                        list(ctx.recipe.overrides), ["--json", "doctor"],
+                        [HANDOFF_ENV, *ct.crossing_names(ctx.recipe)])
+    try:
+        # the doctor inside works under this process's workspace lock, lent to it
+        with ctx.workspace.lend_lock() as token:
+            proc = capture(argv, env={**os.environ, HANDOFF_ENV: token}, timeout=300)
+        inner = {c["name"]: c for c in json.loads(proc.stdout)["data"]["data"]["checks"]}
+    except (OSError, RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
+        return checks  # the rows keep saying how to check them by hand
+    out = []
+    for c in checks:
+        row = inner.get(c.name)
+        if c.status == SKIP and c.observed.startswith("checked in the image") and row:
+            c = Check(c.name, row["status"], f"in {plan.name}: {row['observed']}",
+                      row.get("required", c.required), row.get("fix", ""))
+        out.append(c)
+    return out
+
+
 def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
              binfmt: str = "absent", runtime: RuntimeFacts | None = None
              ) -> tuple[list[Check], NpuInfo | None]:
@@ -704,6 +747,9 @@ def run(ctx: StageContext) -> StageResult:
         image = image_side(ctx.recipe, runtime)
         python = check_python(ctx, facts)
         checks.append(in_image(python, image) if image else python)
+    image = image_side(ctx.recipe, runtime)
+    if image and not os.environ.get(HOST_ROOT_ENV):
+        checks = judged_in_the_image(ctx, checks)
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:
