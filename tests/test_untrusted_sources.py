@@ -101,3 +101,14 @@ def test_a_symlinked_checkout_is_never_written_through(
     assert code == 0, doc
     assert not (ws / "src" / "main").is_symlink()
     assert sorted(p.name for p in outside.iterdir()) == ["canary"]
+
+
+def test_recipe_show_masks_credentials_written_into_a_url(cli) -> None:  # type: ignore[no-untyped-def]
+    """issue 18: a token a user put into a source URL is not printed back by `recipe show`."""
+    token = "s3cr3t-t0ken-4242"
+    url = f"https://user:{token}@example.com/kt.git"
+    shown = cli("--set", f"sources[ktransformers].url={url}", "recipe", "show")
+    assert shown.code == 0, shown
+    assert "example.com/kt.git" in shown.out and token not in shown.out + shown.err
+    as_json = cli("--json", "--set", f"sources[ktransformers].url={url}", "recipe", "show")
+    assert as_json.code == 0 and token not in as_json.out

@@ -5,6 +5,8 @@ Only typer and cli.kit at import time; the recipe models load inside commands.
 
 from __future__ import annotations
 
+from typing import Any
+
 import typer
 
 from dsv4_offload.cli.kit import emit, load_context, options_of
@@ -36,12 +38,23 @@ def recipe_list(ctx: typer.Context) -> None:
                 for d in data], payload=True)
 
 
+def _redacted(node: Any, redact: Any) -> Any:
+    """The recipe document with credentials a user wrote into its URLs masked."""
+    if isinstance(node, dict):
+        return {k: _redacted(v, redact) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_redacted(v, redact) for v in node]
+    return redact(node) if isinstance(node, str) else node
+
+
 def recipe_show(ctx: typer.Context) -> None:
     """The resolved recipe (with --set overrides applied), as YAML or JSON."""
     import yaml
 
+    from dsv4_offload.core.runner import redact
+
     pctx = load_context(ctx)
-    data = pctx.recipe.model_dump(mode="json", by_alias=True)
+    data = _redacted(pctx.recipe.model_dump(mode="json", by_alias=True), redact)
     emit(ctx, command="recipe show", status="ok", data=data,
          lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()],
          payload=True)
