@@ -525,3 +525,23 @@ def test_doctor_and_the_serve_plan_agree_on_the_dram_shortfall(monkeypatch: pyte
     facts = probe(Path("/nonexistent-ws"), root=root)
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env={}, require_layers=False)
     assert f"DRAM: {doctor_fix}" in plan.warnings
+
+
+def test_a_compiler_without_its_assembler_fails_doctor_not_cmake(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """gcc answers --version without binutils, and the kt-kernel build then dies in cmake's
+    first test: doctor compiles a one-line file to find that out first."""
+    gcc = shutil.which("gcc")
+    if gcc is None:
+        pytest.skip("no gcc on this machine")
+    monkeypatch.delenv("DSV4_HOST_ROOT", raising=False)
+    ok = doctor.run(context(tmp_path, "dsv4-flash-x86-dev"))
+    assert {c["name"]: c for c in ok.data["checks"]}["cc-compiles"]["status"] == "ok"
+    lonely = tmp_path / "bin"  # gcc alone on PATH: no `as`, no `ld`
+    lonely.mkdir()
+    (lonely / "gcc").symlink_to(gcc)
+    monkeypatch.setenv("PATH", str(lonely))
+    result = doctor.run(context(tmp_path, "dsv4-flash-x86-dev"))
+    row = {c["name"]: c for c in result.data["checks"]}["cc-compiles"]
+    assert row["status"] == "fail" and "binutils" in row["fix"], row
+    assert result.status is Status.FAILED

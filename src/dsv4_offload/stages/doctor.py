@@ -679,6 +679,30 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
 # --- stage entry points --------------------------------------------------------------------
 
 
+def check_compiler_works(recipe: Recipe) -> Check | None:
+    """The build's C compiler turns a one-line file into an object: a `--version` answers
+    even when the assembler is missing (binutils), and cmake then stops at its first test."""
+    import subprocess
+
+    from dsv4_offload.core.runner import capture
+
+    cc = recipe.platform.cc or "gcc"
+    required = f"{cc} compiles and assembles a C file (cmake's first test)"
+    try:
+        proc = capture([cc, "-x", "c", "-c", "-", "-o", os.devnull],
+                       input="int main(void) { return 0; }\n", timeout=60)
+    except FileNotFoundError:
+        return None  # the compiler row already says it is missing
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return Check("cc-compiles", FAIL, f"{cc}: {exc}", required, f"reinstall {cc}")
+    if proc.returncode == 0:
+        return Check("cc-compiles", OK, f"{cc}: an object was written", required)
+    last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+    return Check("cc-compiles", FAIL, f"{cc}: {last}", required,
+                 "apt-get install binutils build-essential (yum install binutils gcc): the "
+                 "compiler needs the assembler and linker")
+
+
 def run(ctx: StageContext) -> StageResult:
     """Probe the host, check it against the recipe, write reports/doctor.json."""
     with ctx.task("probing the host"):
@@ -693,6 +717,10 @@ def run(ctx: StageContext) -> StageResult:
     if ctx.recipe.host.npu_models:  # the launcher's choice: a python with torch_npu and sglang
         python = check_python(ctx, facts)
         checks.append(in_image(python, image) if image else python)
+    if not os.environ.get(HOST_ROOT_ENV):  # a live machine: its compiler can be asked
+        compiles = check_compiler_works(ctx.recipe)
+        if compiles is not None:
+            checks.append(in_image(compiles, image) if image else compiles)
     if image and not os.environ.get(HOST_ROOT_ENV):
         checks = judged_in_the_image(ctx, checks)
     failed = [c for c in checks if c.status == FAIL]
