@@ -47,7 +47,6 @@ from dsv4_offload.core.runner import (
     capture,
     run_attached,
     run_command,
-    signals_as_interrupt,
     start,
 )
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
@@ -729,23 +728,23 @@ def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,
     with open(log, "ab") as err:
         err.write(f"\n=== $ {shlex.join(argv)}\n".encode())
         err.flush()
-        with signals_as_interrupt():
-            # stdin: a pipe held open, never written, closed only by our end (or death)
-            child = start(argv, env=env, stdout=subprocess.PIPE, stderr=err,
-                          stdin=subprocess.PIPE)
-            proc = child.proc
-            try:
-                assert proc.stdout is not None and proc.stdin is not None
-                out = proc.stdout.read()
-                proc.wait()
-                proc.stdin.close()
-            except BaseException:
-                if on_interrupt is not None:
-                    on_interrupt()
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        proc.wait(timeout=grace)
-                child.stop()
-                raise
+        # SIGTERM and SIGHUP reach the except below as KeyboardInterrupt (cli/app.main)
+        # stdin: a pipe held open, never written, closed only by our end (or death)
+        child = start(argv, env=env, stdout=subprocess.PIPE, stderr=err,
+                      stdin=subprocess.PIPE)
+        proc = child.proc
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            out = proc.stdout.read()
+            proc.wait()
+            proc.stdin.close()
+        except BaseException:
+            if on_interrupt is not None:
+                on_interrupt()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=grace)
+            child.stop()
+            raise
         err.write(f"=== exit {proc.returncode}\n".encode())
     return proc.returncode, out.decode("utf-8", errors="replace")
 
@@ -754,9 +753,8 @@ def exec_attached(argv: list[str], env: dict[str, str] | None = None) -> int:
     """Run a `docker exec` with this terminal's stdout and stderr; its exit code.
 
     Stopped with this process (Ctrl-C, SIGTERM, SIGHUP, an exception, or its death)."""
-    with signals_as_interrupt():
-        try:
-            return run_attached(argv, env=env)
-        except FileNotFoundError:
-            raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
+    try:
+        return run_attached(argv, env=env)
+    except FileNotFoundError:
+        raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
 
