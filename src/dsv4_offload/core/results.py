@@ -19,6 +19,10 @@ class Status(str, enum.Enum):
     SKIPPED = "skipped"  # nothing to do (already done, or not applicable)
 
 
+# the status words of a host check row (doctor's, and the image's rows judged for it)
+OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+
+
 @dataclass
 class Problem:
     """One finding: what is wrong and how to fix it."""

@@ -8,13 +8,11 @@ import json
 import os
 import subprocess
 
-from dsv4_offload.core.results import Check
+from dsv4_offload.core.results import SKIP, Check
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import CONTAINER, context_of
 from dsv4_offload.workspace.store import HANDOFF_ENV
-
-SKIP = "skip"
 
 
 def image_side(recipe: Recipe, inside: bool) -> str | None:

@@ -28,13 +28,12 @@ from dsv4_offload.core.host import (
     version_at_least,
     visible_device,
 )
-from dsv4_offload.core.results import Check, Problem, StageResult, Status
+from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json
 
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
 GIB = 1024**3
 KIB_PER_GIB = 1024**2
 
