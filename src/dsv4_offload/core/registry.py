@@ -22,6 +22,9 @@ class StageSpec:
     exclude: tuple[str, ...] = ()  # dotted paths (prefixes) left out of those
     summary: str = ""
     run_options: dict[str, Any] = field(default_factory=dict)  # options when run by `run`
+    # needs a pipelined `run` may start beside, before they are done: the stage follows
+    # their progress itself (convert converts each layer as its shards arrive)
+    streams: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -46,6 +49,7 @@ STAGES: tuple[StageSpec, ...] = (
         "convert",
         ("download",),
         ("conversion",),
+        streams=("download",),
         exclude=("conversion.digests", "conversion.digests_manifest",
                  "conversion.expected_file_bytes"),
         summary="MXFP4 experts into per-layer GGUF",

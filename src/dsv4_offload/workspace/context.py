@@ -57,6 +57,13 @@ class StageContext:
         value = self.options.get(name)
         return default if value is None else value
 
+    def event(self, event: str, **fields: Any) -> None:
+        """One event of this stage on the pipelined run's stream (core/events); nothing
+        when the stage runs on its own."""
+        from dsv4_offload.core import events
+
+        events.emit(event, stage=self.stage, **fields)
+
     @contextmanager
     def task(self, description: str, total: float | None = None, unit: str = "") -> Iterator[Task]:
         t = self.progress.task(description, total, unit)
