@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from kernel_standin import EXT_NAME, compile_extension, write_loader
 
 DELIVERY_TOOLS = "src/cann-recipes-infer/integration/sglang/dsv4-flash-single-npu-moe-offload/" \
                  "scripts/tools"
@@ -363,11 +364,12 @@ GGUF = "src/ktransformers/third_party/llama.cpp/gguf-py"
 SGLANG = "src/ktransformers/third_party/sglang/python"
 OP = f"{DELIVERY_TOOLS}/ascendc_mxfp4"
 AFTER = ["kt-kernel", "gguf-py", "sglang", "ascendc-op"]
-# kt-kernel's setup.py reduced to what touches the environment: CMake, then the compiler in CC
-KT_SETUP = """import os, subprocess, sys
+# kt-kernel's setup.py reduced to what touches the environment: CMake, then the compiler in CC;
+# the extension it leaves is a real shared object the test compiled ($KT_EXT_FROM)
+KT_SETUP = """import os, shutil, subprocess, sys
 subprocess.run(["cmake", "-S", ".", "-B", "build"], check=True)
 subprocess.run([os.environ.get("CC", "cc"), "-c", "ext.c"], check=True)
-open("python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so", "wb").close()
+shutil.copyfile(os.environ["KT_EXT_FROM"], "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so")
 """
 
 
@@ -395,6 +397,8 @@ def a3env(a3: dict, tmp_path: Path) -> dict:
     (ws / KT / "python").mkdir(parents=True)
     (ws / KT / "python" / "__init__.py").write_text("")
     (ws / KT / "setup.py").write_text(KT_SETUP)
+    write_loader(ws / KT / "python")
+    a3["env"]["KT_EXT_FROM"] = str(compile_extension(tmp_path / "ext" / EXT_NAME))
     (ws / GGUF).mkdir(parents=True)
     (ws / SGLANG / "sglang").mkdir(parents=True)
     (ws / SGLANG / "sglang" / "__init__.py").write_text("")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import yaml
+from kernel_standin import EXT_NAME, compile_extension, write_loader
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Status
@@ -28,9 +29,10 @@ ASCENDC = "src/cann-recipes-infer/ascendc_mxfp4"
 # lines of the patched kt-kernel (ktransformers d7b5b49 + main_repo/0001+0002) in their real
 # formats: setup.py:94 (the CPUINFER_ARM_* forwards, pairs of setup.py:727-731), setup.py:738
 # (dotprod detected), CMakeLists.txt:217-234 (the ARM target, CMake adds '-- '), :486 and
-# :506; it leaves the extension in the package dir, as `build_ext --inplace` does
+# :506; it leaves the extension (a real shared object, compiled by the test: $KT_EXT_FROM) in
+# the package dir, as `build_ext --inplace` does
 KT_BUILD = """\
-import os, sys
+import os, shutil, sys
 ARM = (("CPUINFER_ARM_SVE", "LLAMA_ARM_SVE", "+sve"), ("CPUINFER_ARM_BF16", "LLAMA_ARM_BF16",
        "+bf16"), ("CPUINFER_ARM_I8MM", "LLAMA_ARM_I8MM", "+i8mm"))
 def on(env_name): return os.environ.get(env_name, "OFF").lower() in ("1", "on", "true")
@@ -44,7 +46,7 @@ print("-- ARM target: -march=" + arch)
 print("-- Ascend NPU (CANN) backend selected")
 ACL = "/usr/local/Ascend/ascend-toolkit/latest/lib64/libascendcl.so"
 print(os.environ.get("KT_EXTRA_LINE", "-- Ascend CL library: " + ACL))
-open("python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so", "wb").close()
+shutil.copyfile(os.environ["KT_EXT_FROM"], "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so")
 open("cc-seen.txt", "w").write(os.environ.get("CC", "") + " " + sys.executable)
 sys.exit(int(os.environ.get("KT_EXIT", "0")))
 """
@@ -90,6 +92,7 @@ def lay_out(root: Path) -> None:
     (kt / "python").mkdir(parents=True)
     (kt / "python" / "__init__.py").write_text("from pathlib import Path\nHERE = Path(__file__)\n")
     (kt / "fake_setup.py").write_text(KT_BUILD)
+    write_loader(kt / "python")
     sgl = root / SGL / "sglang"
     sgl.mkdir(parents=True)
     (sgl / "__init__.py").write_text("VERSION = 'test'\n")
@@ -120,10 +123,17 @@ def make_ctx(root: Path, recipe_steps: list[dict[str, Any]], *, sets: dict[str, 
                         options=options, stage="build")
 
 
+@pytest.fixture(scope="session")
+def ascend_ext(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """kt-kernel's extension as the 910B build makes it: the Ascend worker, ggml's MXFP4."""
+    return compile_extension(tmp_path_factory.mktemp("ext") / EXT_NAME)
+
+
 @pytest.fixture
-def ws(tmp_path: Path) -> Path:
+def ws(tmp_path: Path, ascend_ext: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "ws"
     lay_out(root)
+    monkeypatch.setenv("KT_EXT_FROM", str(ascend_ext))
     return root
 
 
@@ -404,7 +414,13 @@ NATIVE_EXT = """\
 #include <Python.h>
 #include <hwloc.h>
 #include <numa.h>
-static PyObject *cores(PyObject *self, PyObject *args) { return PyLong_FromLong(TEST_CORES); }
+/* the Ascend worker's loop, weak so the module imports without libascendcl */
+extern int aclrtProcessReport(int) __attribute__((weak));
+const char *kt_binding_name = "init_ascend_callback_worker";
+static PyObject *cores(PyObject *self, PyObject *args) {
+    if (aclrtProcessReport) aclrtProcessReport(0);
+    return PyLong_FromLong(TEST_CORES);
+}
 static PyMethodDef methods[] = {{"cores", cores, METH_NOARGS, ""}, {NULL, NULL, 0, NULL}};
 static struct PyModuleDef mod = {PyModuleDef_HEAD_INIT, "kt_kernel_ext", "", -1, methods};
 PyMODINIT_FUNC PyInit_kt_kernel_ext(void) { return PyModule_Create(&mod); }
@@ -422,7 +438,7 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
     monkeypatch.setenv("CPATH", str(inc))
     kt = ws / KT
     (kt / "setup.py").write_text(NATIVE_SETUP)
-    (kt / "print_lines.py").write_text(KT_BUILD.split('open("python/')[0])
+    (kt / "print_lines.py").write_text(KT_BUILD.split('shutil.copyfile(')[0])
     (kt / "ext.c").write_text(NATIVE_EXT)
     (kt / "python" / "__init__.py").write_text("from .kt_kernel_ext import cores\n")
     step = kt_step(command=["{python}", "setup.py", "build_ext", "--inplace"])
@@ -439,6 +455,8 @@ def test_native_extension_builds_in_place_and_imports_through_the_link(
 CACHE_PROBE = """\
 import os
 import re
+import shutil
+shutil.copyfile(os.environ["KT_EXT_FROM"], "python/kt_kernel_ext.cpython-311-aarch64-linux-gnu.so")
 print("cache: " + ("reused" if os.path.exists("build/CMakeCache.txt") else "fresh"))
 os.makedirs("build", exist_ok=True)
 open("build/CMakeCache.txt", "w").write(os.environ["CPUINFER_ARM_SVE"])

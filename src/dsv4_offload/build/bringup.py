@@ -437,12 +437,29 @@ def check_installed(python: str, names: list[str], constraints: Path | None,
 # --- .run packages --------------------------------------------------------------------------
 
 
-def find_run_package(workdir: Path, package: RunPackage) -> Path:
+def find_run_package(workdir: Path, package: RunPackage, started: float, log: Path) -> Path:
+    """The one ``.run`` package of ``package.glob`` the step's command wrote (modified after
+    ``started``); older matches (a stale package left in ``output/``) are named in the log and
+    never installed; none, or several fresh ones, fail naming them."""
     found = sorted(workdir.glob(package.glob))
-    if not found:
-        raise StepFailed(f"no .run package matching {package.glob} was produced in {workdir}",
-                         "the build did not finish its packaging: read the step's log")
-    return found[0]
+    fresh = [p for p in found if p.stat().st_mtime >= started]
+    stale = [p for p in found if p not in fresh]
+    if stale:
+        note(log, f"install_run: ignoring {len(stale)} .run package(s) older than this step: "
+                  + ", ".join(str(p) for p in stale))
+    if not fresh:
+        raise StepFailed(
+            f"no .run package matching {package.glob} was produced in {workdir} by this build"
+            + (f" (only older ones: {', '.join(p.name for p in stale)})" if stale else ""),
+            "the build did not finish its packaging: read the step's log"
+            + (f"; remove the stale packages (rm {' '.join(str(p) for p in stale)})"
+               if stale else ""))
+    if len(fresh) > 1:
+        raise StepFailed(
+            f"{len(fresh)} .run packages matching {package.glob} were produced by this build: "
+            f"{', '.join(str(p) for p in fresh)}; which to install is not clear",
+            f"narrow build.steps[].install_run.glob ({package.glob}) to the one package")
+    return fresh[0]
 
 
 def make_executable(path: Path) -> None:

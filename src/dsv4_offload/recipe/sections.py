@@ -202,7 +202,8 @@ class FileEdit(Strict):
 class RunPackage(Strict):
     """A CANN ``.run`` package the step's command produced, installed after it."""
 
-    glob: str = Field(min_length=1, description="relative to the workdir; the first match")
+    glob: str = Field(min_length=1, description="relative to the workdir; exactly one match "
+                      "written by the step (older ones are ignored)")
     args: list[str] = Field([], description="arguments of the .run package")
 
 

@@ -18,7 +18,8 @@
    regular expressions searched line by line (``re.search``); plain text without
    metacharacters matches itself, the same rule as the acceptance log markers.
 4. ``check_import`` runs ``<python> -c "import X"`` with the PYTHONPATH the server gets
-   (:func:`runtime_pythonpath`); for kt-kernel that needs a ``kt_kernel -> python`` link.
+   (``server_pythonpath``); for kt-kernel that needs a ``kt_kernel -> python`` link. After
+   kt-kernel, :mod:`dsv4_offload.build.kernelcheck` checks the extension the server will load.
 5. An optional step that fails is a warning; one whose compiler is missing is skipped.
 6. Configuring kt-kernel's CMake inside a git work tree installs commit hooks into that
    repo: hooks that appear during the build are reported.
@@ -39,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.build import bringup
+from dsv4_offload.build import bringup, kernelcheck
 from dsv4_offload.build.bringup import KT_KERNEL_STEP
-from dsv4_offload.build.interpreter import build_python
+from dsv4_offload.build.interpreter import build_python, server_pythonpath
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import capture, failure_excerpt, run_command
@@ -161,11 +162,13 @@ class StepReport:
     fix: str = ""  # set when the failure is not in a log (missing checkout, missing tool)
     settings: str = ""  # digest of what configures the build (command, env, python)
     cleaned: str = ""  # why the build dir was removed first, if it was
+    kernel: dict[str, Any] = field(default_factory=dict)  # kernelcheck's facts (kt-kernel)
 
     def as_dict(self) -> dict[str, Any]:
         return {"status": self.status, "seconds": round(self.seconds, 1), "log": self.log,
                 "message": self.message, "products": self.products,
-                "hooks_added": self.hooks_added, "hint": self.hint, "cleaned": self.cleaned}
+                "hooks_added": self.hooks_added, "hint": self.hint, "cleaned": self.cleaned,
+                **({"kernel": self.kernel} if self.kernel else {})}
 
 
 # --- facts shared with other stages ---------------------------------------------------------
@@ -580,8 +583,8 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         link_kt_kernel_package(workdir)
     hooks_before = _hooks(hooks_dir)
     t0 = time.monotonic()
+    started = time.time() - 1  # mtime granularity: anything the command made is newer
     if argv:
-        started = time.time() - 1  # mtime granularity: anything the command made is newer
         mask = bringup.parse_umask(step.umask) if step.umask else None
         if mask is not None:
             bringup.note(log, f"workaround umask: the command runs with umask {step.umask} "
@@ -613,7 +616,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
                     f"writable (+{len(loose) - 1} more); msopgen refuses such files",
                     f"rerun with umask {step.umask} (check the build script does not reset it)")
         if step.install_run is not None:
-            package = bringup.find_run_package(workdir, step.install_run)
+            package = bringup.find_run_package(workdir, step.install_run, started, log)
             bringup.make_executable(package)
             run_argv = [str(package), *[places.text(a) for a in step.install_run.args]]
             installed = run_command(run_argv, log=log, cwd=workdir, env=env, check=False)
@@ -640,13 +643,17 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             return _fail(report, step, f"expected log marker '{marker}' not found "
                                        f"(see the log: {log})")
     if step.check_import:
-        error = check_import(python, step.check_import, runtime_pythonpath(
-            ctx.workspace, ctx.recipe), env, log)
+        error = check_import(python, step.check_import, ctx.workspace.tree_dir(ctx.recipe),
+                             env, log)
         if error:
             report.hint = diagnose(_read_from(log, offset), set_env) or ""
             return _fail(report, step, f"`import {step.check_import}` fails: {error} "
                                        f"(see the log: {log})")
     try:
+        if step.name == KT_KERNEL_STEP and argv:  # the extension the server will load
+            report.kernel = kernelcheck.check_kernel(
+                python, ctx.workspace.tree_dir(ctx.recipe), workdir, env, started, log=log,
+                need_ascend=ctx.recipe.platform.npu != "none").as_dict()
         _run_checks(step, "after", places, workdir, env, python, log)
         if step.require_installed:
             bringup.check_installed(python, step.require_installed, constraints, env, log)
@@ -724,12 +731,12 @@ def _read_from(log: Path, offset: int) -> str:
         return fh.read()
 
 
-def check_import(python: str, module: str, pythonpath: list[Path], env: dict[str, str],
+def check_import(python: str, module: str, tree: Path, env: dict[str, str],
                  log: Path) -> str | None:
-    """None when ``module`` imports with the server's PYTHONPATH; else the error's last line."""
+    """None when ``module`` imports with the server's PYTHONPATH (``server_pythonpath`` of
+    the ktransformers ``tree``); else the error's last line."""
     env = dict(env)
-    env["PYTHONPATH"] = os.pathsep.join(
-        [str(p) for p in pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONPATH"] = server_pythonpath(tree, env.get("PYTHONPATH"))
     result = run_command([python, "-c", f"import {module}"], log=log, env=env, check=False,
                          timeout=300)
     if result.returncode == 0:
