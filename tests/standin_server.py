@@ -15,7 +15,10 @@ kills it, as the guide says such prompts fail (G306-310); --fallback-over N logs
 streaming fallback line for prompts of N tokens or more; --die-in-stream K exits halfway
 through the K-th streamed answer, --hang-in-stream K stops sending there. --swa-size N: a
 prompt above N tokens is never admitted (no prefill line, no answer); --slow-prefill-over N:
-a prompt of N tokens or more logs its prefill and never answers.
+a prompt of N tokens or more logs its prefill and never answers. --anon-mib N holds N MiB of
+touched anonymous memory before it is ready (as kt-kernel's copied experts are held), and
+--child-anon-mib N starts a child that holds N MiB (sglang's scheduler is a child process);
+the child exits when its parent does.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import itertools
 import json
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -56,6 +60,23 @@ SENTENCE = (" Paris is the capital of France, and it is also the largest city in
             "country.")
 GARBAGE_WORDS = ("zorp", "quib", "flandle", "mek", "trosk", "vuu", "plinth", "gadro", "ixel",
                  "nebbo", "sarf", "clum", "wix", "dorrel", "yant", "hesk")
+
+
+# a child holding touched anonymous memory until its parent is gone
+CHILD = ("import os, sys, time\n"
+         "held = bytearray(int(sys.argv[1]) << 20)\n"
+         "held[::4096] = b'\\x01' * len(range(0, len(held), 4096))\n"
+         "print('held', flush=True)\n"
+         "parent = os.getppid()\n"
+         "while os.getppid() == parent:\n"
+         "    time.sleep(0.2)\n")
+
+
+def hold_anonymous(mib: int) -> bytearray:
+    """``mib`` MiB of anonymous memory, every page touched (RssAnon counts touched pages)."""
+    held = bytearray(mib << 20)
+    held[::4096] = b"\x01" * len(range(0, len(held), 4096))
+    return held
 
 
 class State:
@@ -307,6 +328,9 @@ def main() -> int:
     parser.add_argument("--hang-in-stream", type=int, default=0)
     parser.add_argument("--no-server-info", action="store_true")
     parser.add_argument("--no-startup-lines", action="store_true")
+    parser.add_argument("--anon-mib", type=int, default=0)
+    parser.add_argument("--child-anon-mib", type=int, default=0)
+    parser.add_argument("--tag", default="")
     parser.add_argument("--report", default=None,
                         help="write the argv and environment this process got (JSON) there")
     args, _sglang_flags = parser.parse_known_args()
@@ -333,7 +357,14 @@ def main() -> int:
             return 1
         time.sleep(3600)  # like a wedged server: the supervisor must act on the line alone
         return 1
+    held = hold_anonymous(args.anon_mib) if args.anon_mib else None
+    child = None
+    if args.child_anon_mib:
+        child = subprocess.Popen([sys.executable, "-c", CHILD, str(args.child_anon_mib),
+                                  args.tag], stdout=subprocess.PIPE, text=True)
+        assert child.stdout is not None and child.stdout.readline().strip() == "held"
     server = ThreadingHTTPServer((args.host, args.port), Handler)
+    server.held = (held, child)  # type: ignore[attr-defined]
     server.daemon_threads = True
     server.state = State(args)  # type: ignore[attr-defined]
     if not args.no_startup_lines:

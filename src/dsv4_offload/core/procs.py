@@ -132,6 +132,66 @@ def group_members(pgid: int, since: int | None = None) -> list[int]:
     return found
 
 
+# --- memory of a process tree -----------------------------------------------------------------
+
+_PPID_INDEX = 1  # field 4
+
+
+def status_kib(text: str, name: str) -> int | None:
+    """The value of a ``kB`` line (``RssAnon:\t  123456 kB``) of a ``/proc/<pid>/status``
+    text, or None when the line is absent (kernel threads have no Rss lines)."""
+    prefix = f"{name}:"
+    for line in text.splitlines():
+        if line.startswith(prefix):
+            parts = line[len(prefix):].split()
+            if len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+                return int(parts[0])
+            return None
+    return None
+
+
+def descendants(pid: int) -> list[int]:
+    """The live processes below ``pid`` (children, their children, ...), by the ppid of
+    every ``/proc/<pid>/stat``; [] without /proc."""
+    if not PROC.is_dir():
+        return []
+    children: dict[int, list[int]] = {}
+    for entry in PROC.iterdir():
+        if not entry.name.isdigit():
+            continue
+        fields = stat_fields(entry.name)
+        if not fields or len(fields) <= _PPID_INDEX or fields[0] in ("Z", "X"):
+            continue
+        with contextlib.suppress(ValueError):
+            children.setdefault(int(fields[_PPID_INDEX]), []).append(int(entry.name))
+    found: list[int] = []
+    todo = list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        if child not in found:
+            found.append(child)
+            todo += children.get(child, [])
+    return sorted(found)
+
+
+def tree_kib(pid: int, name: str = "RssAnon") -> tuple[int, int] | None:
+    """(the sum of ``name`` over ``pid`` and its descendants in kB, how many processes had
+    it), or None when ``pid`` itself cannot be read."""
+    total, counted = 0, 0
+    for index, member in enumerate([pid, *descendants(pid)]):
+        try:
+            text = (PROC / str(member) / "status").read_text()
+        except OSError:
+            if index == 0:
+                return None
+            continue  # a child that exited meanwhile
+        value = status_kib(text, name)
+        if value is not None:
+            total += value
+            counted += 1
+    return total, counted
+
+
 # --- the process groups of a running stage ----------------------------------------------------
 
 

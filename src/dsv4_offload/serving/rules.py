@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.build import bringup
 from dsv4_offload.core.errors import InputError
@@ -126,6 +126,56 @@ def dram_advice(recipe: Recipe, pools: int, available_gib: float) -> tuple[str, 
                         "CPU MoE (slower decode); or free memory")
     return "fail", (f"{available_gib:,.0f} GiB available, the plan needs {terms}; free memory "
                     "or use a host with more DRAM")
+
+
+# Between "little anonymous memory" (one pool: the experts alias the mmapped GGUF) and "about
+# the GGUF set" (several pools: each node's slice copied), the boundary is half the set.
+ANON_BOUNDARY = 0.5
+
+
+def anon_memory_verdict(recipe: Recipe, pools: int, anon_kib: int, processes: int
+                        ) -> tuple[dict[str, Any], tuple[str, str] | None]:
+    """(the figures for the serve record, (warning, fix) when the server's RssAnon after
+    ready contradicts the plan's memory model, else None).
+
+    The model (the one :func:`dram_need` counts): with one threadpool the patched kt-kernel
+    aliases the GGUF mmap instead of copying the experts (delivery main_repo/0002,
+    kt-kernel/operators/llamafile/moe.hpp:393-431 of the patched tree, whose comment puts
+    the copy at ~138 GB RssAnon and the alias at ~0); with several it copies each node's
+    slice into anonymous memory: about the GGUF set in all.
+    """
+    conv = recipe.conversion
+    gguf = conv.layers * conv.expected_file_bytes / 2**30
+    anon = anon_kib / 2**20
+    one = pools == 1
+    figures = {"rss_anon_gib": round(anon, 3), "processes": processes,
+               "threadpool_count": pools, "gguf_set_gib": round(gguf, 3),
+               "expected": "little (the experts alias the mmapped GGUF set)" if one else
+               "about the GGUF set (each node's slice copied)"}
+    boundary = ANON_BOUNDARY * gguf
+    where = (f"the server holds {anon:,.1f} GiB of anonymous memory (RssAnon over its "
+             f"{processes} processes) with {pools} CPU threadpool{'s' if pools > 1 else ''}")
+    if one and anon >= boundary:
+        figures["verdict"] = "contradicts the plan: the experts were copied"
+        return figures, (
+            f"{where}, where the plan expects the experts to stay in the mmapped GGUF set "
+            f"({gguf:,.0f} GiB) and little anonymous memory: kt-kernel copied them, as a "
+            "kernel built without the delivery's main_repo/0002 does (its "
+            "operators/llamafile/moe.hpp:393-431 aliases the GGUF with one pool); the host "
+            "needs the GGUF set twice in DRAM",
+            "check the patches (`dsv4-offload patch status`) and rebuild kt-kernel from the "
+            "patched tree: `dsv4-offload build kt-kernel --clean`, then serve again")
+    if not one and anon < boundary:
+        figures["verdict"] = "contradicts the plan: the experts were not copied"
+        return figures, (
+            f"{where}, where the plan expects each NUMA node's slice of the experts copied "
+            f"into anonymous memory, about the GGUF set ({gguf:,.0f} GiB): this kernel does not "
+            "do what the memory plan (doctor's memory-plan row) counts",
+            "read the server log's kt-kernel load lines and check the extension the server "
+            "loads (`dsv4-offload build kt-kernel` checks it); the DRAM figure of the plan may "
+            "be too high for it")
+    figures["verdict"] = "as planned"
+    return figures, None
 
 
 def chunked_prefill(serve: Serve, longest_prompt: int | None) -> int:

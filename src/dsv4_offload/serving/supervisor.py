@@ -510,9 +510,23 @@ def supervise(spec: dict[str, Any]) -> int:
     if stopping.is_set() and server.poll() is None:
         server.stop(float(spec.get("stop_timeout_s", 30)))
     code = server.wait()
+    # what `serve` added meanwhile (extra: the start-up facts, the memory figure) stays
+    record = _current(record_path, record)
     record.state, record.exit_code = ("stopped" if stopping.is_set() else "exited"), code
     write_record(record_path, record)
     return 0
+
+
+def _current(path: Path, mine: ServeRecord) -> ServeRecord:
+    """The record on disk when it is still this supervisor's, else ``mine``."""
+    try:
+        found = read_record(path)
+    except InputError:
+        return mine
+    if found is None or (found.supervisor_pid, found.server_pid) != \
+            (mine.supervisor_pid, mine.server_pid):
+        return mine
+    return found
 
 
 @contextlib.contextmanager

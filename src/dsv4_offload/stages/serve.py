@@ -343,6 +343,9 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
     problems = [Problem("info", n, check="serve.plan") for n in plan.notes]
     problems += [Problem("warning", w, check="serve.plan") for w in plan.warnings]
     outputs["startup"] = _startup(ctx, log, problems)
+    root = server.pid if server is not None else getattr(
+        sv.read_record(ctx.workspace.serve_record), "server_pid", None)
+    outputs["memory"] = _anon_memory(ctx, plan, log, root, problems)
     if warmth and warmth.get("skipped_reason"):
         problems.append(Problem("warning", f"page cache not warmed: {warmth['skipped_reason']}",
                                 fix="free memory (MemAvailable) for the GGUF set: loading "
@@ -391,15 +394,39 @@ def _startup(ctx: StageContext, log: Path, problems: list[Problem]) -> dict[str,
         facts = startup_facts(log.read_text(encoding="utf-8", errors="replace"))
     except OSError:
         return {}
-    record = sv.read_record(ctx.workspace.serve_record)
-    if record is not None and record.log == str(log):
-        record.extra["startup"] = facts
-        sv.write_record(ctx.workspace.serve_record, record)
+    _into_record(ctx, log, "startup", facts)
     longest = longest_prompt(ctx) or ctx.recipe.serve.longest_prompt_tokens
     warning = longest_prompt_warning(facts, longest)
     if warning:
         problems.append(Problem("warning", warning, check="serve.swa-pool"))
     return facts
+
+
+def _anon_memory(ctx: StageContext, plan: ServePlan, log: Path, pid: int | None,
+                 problems: list[Problem]) -> dict[str, Any]:
+    """The server's RssAnon after ready, summed over its process tree (sglang's scheduler
+    holds kt-kernel), against the plan's memory model (serving.rules.anon_memory_verdict);
+    kept in the serve record, a contradiction a warning with the fix."""
+    from dsv4_offload.core.procs import tree_kib
+    from dsv4_offload.serving.rules import anon_memory_verdict
+
+    read = tree_kib(pid) if pid else None
+    if read is None:
+        return {"rss_anon_gib": None, "verdict": f"not read (no /proc/{pid}/status)"}
+    figures, warning = anon_memory_verdict(ctx.recipe, int(plan.derived["threadpool_count"]),
+                                           *read)
+    _into_record(ctx, log, "memory", figures)
+    if warning is not None:
+        problems.append(Problem("warning", warning[0], fix=warning[1], check="serve.memory"))
+    return figures
+
+
+def _into_record(ctx: StageContext, log: Path, key: str, value: Any) -> None:
+    """``value`` under ``extra[key]`` of the serve record of this server (by its log)."""
+    record = sv.read_record(ctx.workspace.serve_record)
+    if record is not None and record.log == str(log):
+        record.extra[key] = value
+        sv.write_record(ctx.workspace.serve_record, record)
 
 
 def _failed(ctx: StageContext, plan: ServePlan, log: Path, outcome: sv.Readiness,
