@@ -516,3 +516,65 @@ def test_killing_the_cli_stops_its_docker_exec_client(
             if pid:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
+
+
+# --- the build's compiler, asked in the image before the hand-over (issue 24, item 5) ----------
+
+# a compiler stand-in answering `--version` as an old image's g++ would; the real engine test
+# (test_docker_engine.py) is not extended: it is slow
+OLD_GXX = 'print("g++ (Ubuntu 10.5.0-1ubuntu1~20.04) 10.5.0")\n'
+
+
+def test_an_image_compiler_older_than_gcc_11_refuses_the_build_before_the_hand_over(
+        cli, tmp_path: Path, docker_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    _script(Path(docker_env["PATH"].split(os.pathsep)[0]) / "g++", OLD_GXX)
+    r = cli(*_args(ws), "--json", "build", env=docker_env)  # the real stages
+    assert r.code == 1, r
+    doc = r.json()["data"]
+    (problem,) = doc["problems"]
+    assert problem["message"] == (
+        f"g++ 10.5.0 in image {IMAGE}: kt-kernel needs GCC >= 11 "
+        "(<barrier>, cpu_backend/worker_pool.h:17)")
+    assert "runtime.image" in problem["fix"]
+    assert "--set build.steps[kt-kernel].env.CXX=g++-11" in problem["fix"]
+    execs = [c for c in _calls(docker_env) if c[1] == "exec"]
+    assert ["docker", "exec", NAME, "g++", "--version"] in execs  # one call, in the container
+    assert not any("run" in c and "--from" in c for c in execs)  # never handed over
+    state = ws / ".dsv4/state.json"  # nothing recorded: the stage never ran
+    assert not state.exists() or "build" not in json.loads(state.read_text()).get("stages", {})
+
+
+def _running(env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recording docker on PATH with the recipe's container running."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    home = Path(env["FAKE_DOCKER"])
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "fs" / NAME).mkdir(parents=True)
+    (home / "state.json").write_text(json.dumps({"images": [IMAGE], "next": 2, "containers": {
+        NAME: {"id": "0" * 64, "image": IMAGE, "state": "running", "label": ""}}}))
+
+
+def test_the_image_compiler_is_asked_only_when_kt_kernel_is_built(
+        tmp_path: Path, docker_env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from dsv4_offload.recipe import load_recipe
+    from dsv4_offload.serving.container import plan_container
+    from dsv4_offload.serving.image_rows import compiler_in_image
+    from dsv4_offload.workspace.store import Workspace
+
+    _running(docker_env, monkeypatch)
+    recipe = load_recipe("dsv4-flash-910b")
+    plan = plan_container(recipe, Workspace(tmp_path / "ws"))
+    # this machine's real g++ (12.2 on the test VM) answers through the recorded exec
+    assert compiler_in_image(recipe, plan, None) is None
+    assert compiler_in_image(recipe, plan, ["sglang"]) is None
+    asked = [c for c in _calls(docker_env) if c[1] == "exec"]
+    assert asked == [["docker", "exec", NAME, "g++", "--version"]]  # once: not for sglang
+    _script(Path(docker_env["PATH"].split(os.pathsep)[0]) / "g++", OLD_GXX)
+    old = compiler_in_image(recipe, plan, ["kt-kernel"])
+    assert old is not None and old.message.startswith("g++ 10.5.0 in image")
+    gone = compiler_in_image(load_recipe("dsv4-flash-910b", ["platform.cxx=g++-not-here"]),
+                             plan, None)
+    assert gone is not None and gone.message.startswith("no g++-not-here (exit ")
+    assert "kt-kernel needs GCC >= 11" in gone.message

@@ -414,8 +414,10 @@ def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
     if _runs_in_container(ctx, name):
         from dsv4_offload.serving.container import run_stage_inside
 
+        # the stage's own check of the container, before the hand-over (build: its compiler)
+        before = getattr(_load_module(spec(name)), "before_container", None)
         # the container's own `run` records the stage in the shared state file
-        return run_stage_inside(ctx, name, options, options if standalone else None)
+        return run_stage_inside(ctx, name, options, options if standalone else None, before)
     return run_stage(ctx, name, options)
 
 

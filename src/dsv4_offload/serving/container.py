@@ -653,19 +653,24 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
 
 
 def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
-                     standalone: dict[str, Any] | None = None) -> StageResult:
+                     standalone: dict[str, Any] | None = None, before: Any = None
+                     ) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
 
     The inner `run --from S --to S --force S` records the stage in the shared state file
     itself; the host only reads back what it printed. A stand-alone command (`build`,
     `serve`, ...) comes the same way, its own options in ``standalone``: they cross as JSON
-    in DSV4_STAGE_OPTIONS and the inner `run` gives them to the stage.
+    in DSV4_STAGE_OPTIONS and the inner `run` gives them to the stage. ``before(ctx, plan,
+    options)``, the stage's own check of the running container, may refuse first.
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
 
     plan = plan_container(ctx.recipe, ctx.workspace, devices=options.get("devices"))
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
+    refused = before(ctx, plan, options) if before is not None else None
+    if refused is not None:
+        return refused  # type: ignore[no-any-return]
     args = ["--json", "run", "--from", stage, "--to", stage, "--force", stage]
     if options.get("device") is not None:
         args += ["--device", str(options["device"])]

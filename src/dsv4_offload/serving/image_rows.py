@@ -7,12 +7,22 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from typing import TYPE_CHECKING
 
-from dsv4_offload.core.results import SKIP, Check
+from dsv4_offload.build.bringup import KT_KERNEL_STEP
+from dsv4_offload.core.host import parse_version, version_at_least
+from dsv4_offload.core.results import SKIP, Check, Problem
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.contexts import CONTAINER, context_of
 from dsv4_offload.workspace.store import HANDOFF_ENV
+
+if TYPE_CHECKING:
+    from dsv4_offload.serving.container import ContainerPlan
+
+# kt-kernel is C++20 (CMakeLists.txt:124) and includes <barrier> (cpu_backend/worker_pool.h:17,
+# ktransformers @ d7b5b49a), which libstdc++ ships from GCC 11
+BARRIER_GCC = "11"
 
 
 def image_side(recipe: Recipe, inside: bool) -> str | None:
@@ -66,3 +76,34 @@ def judged_in_the_image(ctx: StageContext, checks: list[Check]) -> list[Check]:
                       row.get("required", c.required), row.get("fix", ""))
         out.append(c)
     return out
+
+
+def compiler_in_image(recipe: Recipe, plan: ContainerPlan, steps: list[str] | None
+                      ) -> Problem | None:
+    """The kt-kernel step's C++ compiler (its env's CXX, else ``platform.cxx``, else g++),
+    asked for its version in the running container with one ``docker exec`` before the build
+    is handed over; older than the recipe's gcc minimum (``host.tools``, at least GCC 11 for
+    ``<barrier>``) or absent, the problem with the fix. None when the build does not compile
+    kt-kernel (``steps`` names others) or the compiler is new enough."""
+    from dsv4_offload.serving import container as ct
+
+    step = next((s for s in recipe.build.steps if s.name == KT_KERNEL_STEP), None)
+    if step is None or (steps and KT_KERNEL_STEP not in steps):
+        return None
+    cxx = step.env.get("CXX") or recipe.platform.cxx or "g++"
+    minimum = recipe.host.tools.get("g++") or recipe.host.tools.get("gcc") or BARRIER_GCC
+    if not version_at_least(minimum, BARRIER_GCC):
+        minimum = BARRIER_GCC
+    code, out = ct.docker_query(["exec", plan.name, cxx, "--version"])
+    version = parse_version(out) if code == 0 else None
+    if version is not None and version_at_least(version, minimum):
+        return None
+    major = minimum.removesuffix(".0")
+    fix = (f"build in an image whose compiler is GCC {major} or newer (runtime.image), or "
+           f"install g++-{major} or later in container {plan.name} (lost when it is recreated) "
+           f"and name it: --set build.steps[{KT_KERNEL_STEP}].env.CXX=g++-{major} --set "
+           f"build.steps[{KT_KERNEL_STEP}].env.CC=gcc-{major}")
+    said = f"{cxx} {version}" if version else f"no {cxx} (exit {code})"
+    return Problem("error", f"{said} in image {plan.image}: kt-kernel needs GCC >= {major} "
+                   "(<barrier>, cpu_backend/worker_pool.h:17)", fix=fix,
+                   check="image-compiler")

@@ -434,6 +434,16 @@ def run(ctx: StageContext) -> StageResult:
                        outputs=outputs, log=str(ctx.log_dir))
 
 
+def before_container(ctx: StageContext, plan: Any, options: dict[str, Any]
+                     ) -> StageResult | None:
+    """Before the build is handed to the recipe's container: its C++ compiler, asked there."""
+    from dsv4_offload.serving.image_rows import compiler_in_image
+
+    problem = compiler_in_image(ctx.recipe, plan, options.get("steps"))
+    return None if problem is None else StageResult(
+        Status.FAILED, f"build refused: {problem.message}", problems=[problem])
+
+
 def _run_steps(ctx: StageContext, steps: list[BuildStep], python: str, hooks_dir: Path | None,
                previous: dict[str, Any], data: dict[str, Any], problems: list[Problem]
                ) -> list[StepReport]:
