@@ -85,8 +85,10 @@ def download(
     repair: bool = typer.Option(
         False, "--repair", help="Re-hash every file (not only new or changed ones) and "
         "fetch again the ones that do not match."),
-    max_workers: int = typer.Option(4, "--max-workers", min=1, metavar="N",
-                                    help="Files fetched at once."),
+    streams: int | None = typer.Option(
+        None, "--streams", "--max-workers", min=1, max=16, metavar="N",
+        help="Files fetched at once (default: the recipe's weights.streams, 1: files then "
+        "arrive in the order the converter needs them)."),
 ) -> None:
     """Download the W8A8 (ModelScope) and MXFP4 (Hugging Face) weights, verified.
 
@@ -111,4 +113,4 @@ def download(
                          "or the hub (--endpoint huggingface=URL / modelscope=URL)")
     kit.run_stage(ctx, "download", {
         "which": which, "endpoint": endpoints, "local_dir_only": local_dir_only,
-        "repair": repair, "max_workers": max_workers})
+        "repair": repair, "streams": streams})
