@@ -117,3 +117,31 @@ def test_download_fetches_mxfp4_by_layer_then_w8a8(tmp_path: Path) -> None:
     assert all(repo == W8A8_REPO for repo, _p in order[first_w8a8:])
     record = json.loads(ctx.workspace.weights_record("mxfp4").read_text())
     assert set(record["verified"]) == set(mxfp4.files) and record["failed"] == {}
+
+
+# --- records written from two processes ----------------------------------------------------
+
+
+def _write_records(root: str, stage: str, count: int) -> None:
+    ws = Workspace(root)
+    for i in range(count):
+        ws.write_stage_record(stage, {"status": "running", "started": str(i)})
+        ws.update_provenance(stage, {"i": i})
+
+
+def test_two_processes_writing_stage_records_lose_nothing(tmp_path: Path) -> None:
+    import multiprocessing
+
+    mp = multiprocessing.get_context("spawn")
+    procs = [mp.Process(target=_write_records, args=(str(tmp_path), stage, 40))
+             for stage in ("download", "convert")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+        assert p.exitcode == 0
+    ws = Workspace(tmp_path)
+    stages = ws.read_state()["stages"]
+    assert stages["download"]["started"] == stages["convert"]["started"] == "39"
+    prov = json.loads(ws.provenance_file.read_text())
+    assert prov["download"] == prov["convert"] == {"i": 39}
