@@ -3,6 +3,7 @@ conversion beside a running download, against the stand-in hub on 127.0.0.1."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -145,3 +146,35 @@ def test_two_processes_writing_stage_records_lose_nothing(tmp_path: Path) -> Non
     assert stages["download"]["started"] == stages["convert"]["started"] == "39"
     prov = json.loads(ws.provenance_file.read_text())
     assert prov["download"] == prov["convert"] == {"i": 39}
+
+
+# --- convert --follow, one process after the other ------------------------------------------
+
+
+def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_path: Path
+                                                                          ) -> None:
+    from dsv4_offload.stages import convert, verify_gguf
+
+    src = write_synthetic_checkpoint(tmp_path / "src", DIMS, real_layout=True)
+    mxfp4, w8a8 = repo_of(src, MXFP4_REPO), w8a8_repo(src)
+    ws = tmp_path / "ws"
+    with StandinHub([mxfp4, w8a8]) as hub:
+        assert download.run(make_ctx(ws, sizes(mxfp4, w8a8), endpoint=hub.url)).ok
+    result = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))
+    assert result.status is Status.OK, result.problems
+    assert result.data["converted"] == list(range(DIMS.layers))
+    checks = json.loads((ws / "gguf" / ".dsv4-layer-checks.json").read_text())
+    assert sorted(checks) == [f"dsv4_layer{i}_mxfp4.gguf" for i in range(DIMS.layers)]
+    assert all(len(c["experts_compared"]) == 4 for c in checks.values())
+    for name, check in checks.items():  # the digest recorded is the file's
+        assert check["sha256"] == hashlib.sha256((ws / "gguf" / name).read_bytes()).hexdigest()
+    # verify-gguf reads none of them again, and agrees
+    verified = verify_gguf.run(make_ctx(ws, sizes(mxfp4, w8a8), "verify-gguf"))
+    assert verified.ok, verified.problems
+    assert verified.data["prechecked"] == list(range(DIMS.layers))
+    assert verified.data["levels"] == {"1": "ok", "2": "recorded", "3": "ok"}
+    assert verified.data["digests"] == {name: c["sha256"] for name, c in checks.items()}
+    # a rerun converts nothing
+    again = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))
+    assert again.ok and again.data["skipped"] == list(range(DIMS.layers))
+    assert again.data["converted"] == []
