@@ -198,6 +198,10 @@ def test_sigkill_of_both_and_a_rerun_redo_nothing(source: Path, expected: dict[i
     # no verified file travels again; of the others, only the one in flight had bytes before
     assert not fetched & had
     assert len(fetched & sent_before) <= 1, fetched & sent_before
+    # and none is hashed again: only the files not verified at the kill are
+    listed = repos[0].files
+    assert download["doc"]["data"]["data"]["mxfp4"]["hashed_bytes"] == sum(
+        len(data) for path, data in listed.items() if path not in had)
     # no layer verified before the kill is converted again
     converted_again = {e["layer"] for e in second.list("layer.started") if e["convert"]}
     assert not converted_again & layers_done
@@ -220,6 +224,11 @@ def test_a_corrupt_shard_stops_only_its_layer_and_is_fetched_again(
         download, convert = pair.finish()
         assert download["code"] == 1, download
         assert any(bad in p["message"] for p in download["doc"]["data"]["problems"])
+        # named in the record and in an event, and removed
+        record = json.loads((ws / ".dsv4" / "weights" / "mxfp4.json").read_text())
+        assert list(record["failed"]) == [bad] and "sha256" in record["failed"][bad]["reason"]
+        assert [e["path"] for e in pair.list("file.failed")] == [bad]
+        assert not (ws / "weights" / "DeepSeek-V4-Flash" / bad).exists()
         assert convert["code"] == 1, convert
         problems = convert["doc"]["data"]["problems"]
         assert [p["check"] for p in problems] == ["layer 1"], problems
