@@ -216,7 +216,7 @@ def test_a_corrupt_shard_stops_only_its_layer_and_is_fetched_again(
         env: dict[str, str]) -> None:
     ws, token = lent
     bad = shard_of(source, 1)
-    repos = [repo_of(source, MXFP4_REPO), w8a8_repo(source)]
+    repos = [repo_of(source, MXFP4_REPO), w8a8_repo(source, shard_bytes=96 << 10)]
     repos[0].corrupt_served.add(bad)
     with StandinHub(repos) as hub:
         hub.throttle = RATE
@@ -236,6 +236,7 @@ def test_a_corrupt_shard_stops_only_its_layer_and_is_fetched_again(
         assert problems[0]["fix"] == "rerun `dsv4-offload run` to fetch it again"
         failed = pair.list("layer.failed")
         assert [e["layer"] for e in failed] == [1] and bad in failed[0]["error"]
+        assert pair.download_ended is not None and epoch(failed[0]) < pair.download_ended
         assert {e["layer"] for e in pair.list("layer.verified")} == {0, 2, 3}
         assert not (ws / "gguf" / GGUF.format(1)).exists()
 

@@ -49,6 +49,7 @@ from dsv4_offload.weights.convert import (
     temp_path,
     worker_progress,
 )
+from dsv4_offload.weights.gguf_io import OWN_MANIFEST
 
 if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
@@ -294,8 +295,11 @@ class _Loop:
                 temp_path(final).unlink()
             self.converting.add(layer)
             self.result.bytes += layout.file_bytes
+        # our own manifest vouched for the file being replaced, not for the new one
+        mine = self.origin == str(self.out_dir / OWN_MANIFEST)
+        expected = None if mine and not present else self.expected.get(name)
         self.ctx.event("layer.started", layer=layer, convert=not present)
-        workers.submit(layout, self.source, final, not present, self.expected.get(name),
+        workers.submit(layout, self.source, final, not present, expected,
                        self.origin or "no known digest")
 
     def done(self, layer: int, outcome: Any) -> None:
