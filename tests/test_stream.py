@@ -178,3 +178,10 @@ def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_pa
     again = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))
     assert again.ok and again.data["skipped"] == list(range(DIMS.layers))
     assert again.data["converted"] == []
+    # files written but never checked (killed in between) are checked, not rewritten
+    mtimes = {p.name: p.stat().st_mtime_ns for p in (ws / "gguf").glob("*.gguf")}
+    (ws / "gguf" / ".dsv4-layer-checks.json").unlink()
+    checked = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))
+    assert checked.ok and checked.data["checked"] == list(range(DIMS.layers))
+    assert checked.data["converted"] == []
+    assert {p.name: p.stat().st_mtime_ns for p in (ws / "gguf").glob("*.gguf")} == mtimes

@@ -97,9 +97,10 @@ def download(
     2. Check what is on disk: sizes, and sha256 (or git blob id) of files not verified
        before; check the disk can take the rest.
     3. Fetch the missing files with the hub's client (finished files are kept;
-       ModelScope partial files resume by range, Hugging Face Xet files by chunk).
-    4. Check every fetched file against the listing; a corrupt one is named and removed,
-       and the next run fetches it again.
+       ModelScope partial files resume by range, Hugging Face Xet files by chunk): MXFP4
+       first, config and index before the shards, the shards in layer order.
+    4. Check each file against the listing as soon as it is complete, and record it; a
+       corrupt one is named and removed, and the next run fetches it again.
     """
     from dsv4_offload.stages.download import WEIGHT_SETS
 
