@@ -192,16 +192,3 @@ def look(ws: Workspace, recipe: Recipe, which: str = "mxfp4") -> DownloadView:
             view.failed[path] = str(entry.get("reason") or "failed")
     return view
 
-
-def listed(ws: Workspace, recipe: Recipe, which: str = "mxfp4") -> set[str] | None:
-    """The files the set's recorded listing names, or None without a record."""
-    try:
-        files = read_record(ws.weights_record(which), getattr(recipe.weights, which))
-    except InputError:
-        return None
-    if files is None:
-        return None
-    entries = files["listing"].get("files")
-    return {e["path"] for e in entries if isinstance(e, dict) and isinstance(e.get("path"), str)
-            } if isinstance(entries, list) else None
-

@@ -192,11 +192,13 @@ def follow(ctx: StageContext, source: Path, out_dir: Path) -> Followed:
         jobs = int(ctx.option("jobs") or default_jobs(len(layers)))
         if jobs < 1:
             raise InputError(f"--jobs {jobs}: must be at least 1")
+        jobs = min(jobs, len(layers))
         result = Followed(layers, dims, layouts, jobs=jobs)
         _check_disk(out_dir, [(layouts[x], out_dir / names[x]) for x in layers])
         loop = _Loop(ctx, ckpt, source, out_dir, result, shards, names, force,
                      expected or {}, origin if expected is not None else "")
-        bars = Bars(ctx, sum(layout.file_bytes for layout in layouts.values()), t0)
+        bars = Bars(ctx, sum(layouts[x].file_bytes for x in layers
+                             if _size(out_dir / names[x]) != layouts[x].file_bytes), t0)
         workers = _Workers(jobs, bars)
         interrupted = True
         try:
