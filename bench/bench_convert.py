@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.stages.verify_gguf import compare_with_source, hash_files
+from dsv4_offload.weights.layercheck import compare_with_source, hash_files
 from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
 from dsv4_offload.weights.gguf_io import LayerLayout
 
