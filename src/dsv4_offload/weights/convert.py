@@ -237,10 +237,9 @@ def convert_layer(source: Path, layout: Any, final: Path,
             raise InputError(f"{source}: config.json changed during the conversion; rerun")
         entries = ckpt.layer_tensors(layout.layer)
         try:
+            # inside the try that removes it: a Ctrl-C landing just after the temp file
+            # was created (before any byte) leaves nothing behind either
             fd = create_exclusive(tmp)
-        except OSError as exc:
-            raise _disk_error(exc, final, size) from None
-        try:
             try:
                 _preallocate(fd, size)
                 _pwrite_all(fd, memoryview(layout.header), 0)
