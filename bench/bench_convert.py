@@ -29,9 +29,9 @@ import time
 from pathlib import Path
 
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.stages.verify_gguf import compare_with_source, hash_files
 from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
 from dsv4_offload.weights.gguf_io import LayerLayout
+from dsv4_offload.weights.layercheck import compare_with_source, hash_files
 
 REAL_LAYER = MoeDims(layers=1, experts=256, experts_per_token=6, hidden=4096, intermediate=2048)
 NEEDED_BYTES = 12 * 10**9  # source 3.3 GB + its cp copy 3.3 GB + our layer 3.4 GB + slack

@@ -13,7 +13,9 @@ ModelScope
 - ``GET /api/v1/models/{repo}/repo/files``            file listing (Path, Size, Sha256)
 - ``GET /api/v1/models/{repo}/repo?FilePath=...``     file bytes (Range)
 
-Every request is recorded so tests can count data requests. Files listed in
+Every request is recorded, with the body bytes sent for it, so tests can count data
+requests and bytes (``sent_by_file``). ``throttle`` (bytes/s) paces file bodies, so a small
+synthetic checkpoint takes seconds to download: time to watch or kill it. Files listed in
 ``corrupt_served`` are served with one flipped byte (same size) to play a hub or proxy
 that hands out bad data; ``phantom`` adds listing entries that are never served (a hostile
 hub's absolute or ``..`` paths); ``listing_body`` replaces the listings' JSON with raw bytes.
@@ -65,6 +67,7 @@ class Request:
     method: str
     path: str
     range: str | None
+    sent: int = 0  # body bytes written for it (a dropped connection stops the count)
 
 
 class _QuietServer(ThreadingHTTPServer):
@@ -126,6 +129,30 @@ class StandinHub:
         with self._lock:
             self.requests.append(req)
 
+    def file_of(self, req: Request) -> tuple[str, str] | None:
+        """(repo id, file path) a data request reads, or None for listings and probes."""
+        path = unquote(urlsplit(req.path).path)
+        query = {k: v[0] for k, v in parse_qs(urlsplit(req.path).query).items()}
+        if m := re.fullmatch(r"/cdn/([^/]+/[^/]+)/([0-9a-f]{64})", path):
+            repo = self.repos.get(m[1])
+            name = next((p for p in (repo.files if repo else {}) if repo
+                         and repo.sha256(p) == m[2]), None)
+            return (m[1], name) if name else None
+        if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
+            return m[1], m[3]
+        if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo", path):
+            return (m[1], query["FilePath"]) if "FilePath" in query else None
+        return None
+
+    def sent_by_file(self) -> dict[tuple[str, str], int]:
+        """Body bytes served per (repo id, file), over every request so far."""
+        out: dict[tuple[str, str], int] = {}
+        for req in list(self.requests):
+            key = self.file_of(req)
+            if key is not None and req.sent:
+                out[key] = out.get(key, 0) + req.sent
+        return out
+
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
         hub = self
 
@@ -152,14 +179,19 @@ class StandinHub:
                 self.end_headers()
                 if head:
                     return
+                req = getattr(self, "_request", None)
                 rate = hub.throttle if throttle else None
                 if not rate:
                     self.wfile.write(body)
+                    if req is not None:
+                        req.sent += len(body)
                     return
                 step = max(1, int(rate / 10))
                 for i in range(0, len(body), step):
                     self.wfile.write(body[i:i + step])
                     self.wfile.flush()
+                    if req is not None:
+                        req.sent += len(body[i:i + step])
                     time.sleep(step / rate)
 
             def _json(self, value: object, head: bool = False, status: int = 200,
@@ -180,7 +212,8 @@ class StandinHub:
             def _dispatch(self, head: bool) -> None:
                 split = urlsplit(self.path)
                 path = unquote(split.path)
-                hub.record(Request(self.command, self.path, self.headers.get("Range")))
+                self._request = Request(self.command, self.path, self.headers.get("Range"))
+                hub.record(self._request)
                 query = {k: v[0] for k, v in parse_qs(split.query).items()}
                 if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/(.+)", path):
                     return self._hf_revision(m[1], m[2], head)

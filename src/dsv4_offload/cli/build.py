@@ -85,8 +85,10 @@ def download(
     repair: bool = typer.Option(
         False, "--repair", help="Re-hash every file (not only new or changed ones) and "
         "fetch again the ones that do not match."),
-    max_workers: int = typer.Option(4, "--max-workers", min=1, metavar="N",
-                                    help="Files fetched at once."),
+    streams: int | None = typer.Option(
+        None, "--streams", "--max-workers", min=1, max=16, metavar="N",
+        help="Files fetched at once (default: the recipe's weights.streams, 1: files then "
+        "arrive in the order the converter needs them)."),
 ) -> None:
     """Download the W8A8 (ModelScope) and MXFP4 (Hugging Face) weights, verified.
 
@@ -95,9 +97,10 @@ def download(
     2. Check what is on disk: sizes, and sha256 (or git blob id) of files not verified
        before; check the disk can take the rest.
     3. Fetch the missing files with the hub's client (finished files are kept;
-       ModelScope partial files resume by range, Hugging Face Xet files by chunk).
-    4. Check every fetched file against the listing; a corrupt one is named and removed,
-       and the next run fetches it again.
+       ModelScope partial files resume by range, Hugging Face Xet files by chunk): MXFP4
+       first, config and index before the shards, the shards in layer order.
+    4. Check each file against the listing as soon as it is complete, and record it; a
+       corrupt one is named and removed, and the next run fetches it again.
     """
     from dsv4_offload.stages.download import WEIGHT_SETS
 
@@ -111,4 +114,4 @@ def download(
                          "or the hub (--endpoint huggingface=URL / modelscope=URL)")
     kit.run_stage(ctx, "download", {
         "which": which, "endpoint": endpoints, "local_dir_only": local_dir_only,
-        "repair": repair, "max_workers": max_workers})
+        "repair": repair, "streams": streams})

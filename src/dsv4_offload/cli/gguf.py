@@ -27,6 +27,10 @@ def convert(
     layers: str | None = typer.Option(None, "--layers", metavar="SPEC", help=_LAYERS_HELP),
     jobs: int | None = typer.Option(None, "--jobs", "-j", min=1, metavar="N", help=_JOBS_HELP),
     force: bool = typer.Option(False, "--force", help="Redo layers whose files are present."),
+    follow: bool = typer.Option(
+        False, "--follow", hidden=True,
+        help="Beside a running `download`: convert and check each layer as soon as its "
+        "shards are verified; return when the download has ended (a pipelined run)."),
 ) -> None:
     """The native MXFP4 experts into one GGUF file per layer (a lossless bit repack).
 
@@ -39,7 +43,8 @@ def convert(
        into `<file>.tmp`; fsync; rename. --jobs layers at once, in processes.
     """
     kit.run_stage(ctx, "convert", {"source": source, "gguf_dir": gguf_dir,
-                                      "layers": layers, "jobs": jobs, "force": force})
+                                      "layers": layers, "jobs": jobs, "force": force,
+                                      "follow": follow})
 
 
 def verify_gguf(

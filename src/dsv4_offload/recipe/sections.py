@@ -323,6 +323,11 @@ class Weights(Strict):
     mxfp4: WeightSet = Field(
         description="the MXFP4 checkpoint whose routed experts are converted to GGUF for the CPU"
     )
+    streams: int = Field(
+        1, ge=1, le=16,
+        description="files `download` fetches at once (`--streams` overrides it); one by "
+        "default: the link is the limit, and files then arrive in the order the converter "
+        "needs them (MXFP4 first, its shards in layer order, W8A8 last)")
 
     @model_validator(mode="after")
     def _sibling_dirs(self) -> Weights:

@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import functools
 import multiprocessing
 import queue
@@ -22,7 +21,6 @@ import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +28,12 @@ from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import (
     GIB,
+    Bars,
     LayerOutcome,
     convert_layer,
     default_jobs,
     gguf_dir,
+    init_worker,
     layer_source,
     parse_layers,
     read_layer_sources,
@@ -41,89 +41,23 @@ from dsv4_offload.weights.convert import (
     source_change,
     source_dir,
     temp_path,
+    worker_progress,
 )
 from dsv4_offload.workspace.context import StageContext
 
 # --- worker processes ----------------------------------------------------------------------
 
-_progress_queue: Any = None
-_stop: Any = None
-
-
-def _init_worker(progress_queue: Any, stop: Any) -> None:
-    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert."""
-    import signal
-
-    global _progress_queue, _stop
-    _progress_queue, _stop = progress_queue, stop
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _die_with_parent()
-
-
-def _die_with_parent() -> None:
-    """A SIGKILLed `convert` must not leave workers finishing layers behind its back."""
-    import ctypes
-    import signal
-    import sys
-
-    if sys.platform != "linux":
-        return
-    pr_set_pdeathsig = 1
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
-
 
 def _worker(source: str, layout: Any, final: str) -> LayerOutcome:
-    layer = layout.layer
-
-    def report(nbytes: int) -> None:
-        if _stop.is_set():
-            raise KeyboardInterrupt  # convert_layer removes its temp file on the way out
-        _progress_queue.put((layer, nbytes))
-
-    return convert_layer(Path(source), layout, Path(final), report)
-
-
-@dataclass
-class _Bars:
-    """One bar per running layer plus the overall bar with its rate in GB/s."""
-
-    ctx: StageContext
-    total: int
-    started: float
-    done: int = 0
-
-    def __post_init__(self) -> None:
-        self.overall = self.ctx.progress.task("convert (all layers)", self.total, "B")
-        self.layers: dict[int, Any] = {}
-
-    def open(self, layer: int, nbytes: int) -> None:
-        self.layers[layer] = self.ctx.progress.task(f"layer {layer}", nbytes, "B")
-
-    def advance(self, layer: int, nbytes: int) -> None:
-        self.done += nbytes
-        if layer in self.layers:
-            self.layers[layer].advance(nbytes)
-        rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e9
-        self.overall.update(completed=self.done, description=f"convert ({rate:.2f} GB/s)")
-
-    def finish(self, layer: int) -> None:
-        task = self.layers.pop(layer, None)
-        if task is not None:
-            task.close()
-
-    def close(self) -> None:
-        for layer in list(self.layers):
-            self.finish(layer)
-        self.overall.close()
+    return convert_layer(Path(source), layout, Path(final), worker_progress(layout.layer))
 
 
 def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
-                  bars: _Bars, done: Callable[[LayerOutcome], None]) -> list[LayerOutcome]:
+                  bars: Bars, done: Callable[[LayerOutcome], None]) -> list[LayerOutcome]:
     mp = multiprocessing.get_context("spawn")  # fork is unsafe beside the progress thread
     progress_queue, stop = mp.Queue(), mp.Event()
     outcomes: list[LayerOutcome] = []
-    with cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=_init_worker,
+    with cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=init_worker,
                                 initargs=(progress_queue, stop)) as pool:
         futures = {}
         for layout, final in work:
@@ -191,6 +125,8 @@ def _source_used(ctx: StageContext) -> Path:
 
 
 def run(ctx: StageContext) -> StageResult:
+    if ctx.option("follow"):
+        return _run_following(ctx)
     from dsv4_offload.weights.checkpoint import Checkpoint
     from dsv4_offload.weights.gguf_io import LayerLayout, forget_manifest_entries
     from dsv4_offload.weights.mxfp4 import kernel_status
@@ -252,7 +188,7 @@ def run(ctx: StageContext) -> StageResult:
         raise InputError(f"--jobs {jobs}: must be at least 1")
     jobs = min(jobs, len(work))
     t0 = time.monotonic()
-    bars = _Bars(ctx, need, t0)
+    bars = Bars(ctx, need, t0)
     for _layout, final in work:  # until it is rewritten, a file vouches for no source
         record_layer_source(out_dir, final.name, None)
 
@@ -298,3 +234,41 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except (FileNotFoundError, NotADirectoryError):  # --gguf-dir under a file: said at mkdir
         return 0
+
+
+def _run_following(ctx: StageContext) -> StageResult:
+    """`--follow`: each layer as soon as the download beside us has verified its shards,
+    checked right after (weights/follow.py); returns once the download has ended."""
+    from dsv4_offload.weights.follow import REFETCH_FIX, follow
+    from dsv4_offload.weights.mxfp4 import kernel_status
+
+    if ctx.option("source"):
+        raise InputError("convert --follow follows the workspace's MXFP4 download; drop "
+                         "--source (or drop --follow for a checkpoint already whole)")
+    source, out_dir = source_dir(ctx), gguf_dir(ctx)
+    done = follow(ctx, source, out_dir)
+    layers = done.layers
+    outputs = {"source": str(source), "gguf_dir": str(out_dir), "layers": layers,
+               "dims": done.dims.as_dict(),
+               "file_bytes": {str(k): v.file_bytes for k, v in done.layouts.items()}}
+    data = {"source": str(source), "gguf_dir": str(out_dir), "dims": done.dims.as_dict(),
+            "layers": layers, "followed": True, "converted": sorted(done.converted),
+            "checked": sorted(done.checked), "skipped": sorted(done.skipped),
+            "failed": {str(k): v[0] for k, v in sorted(done.failed.items())},
+            "jobs": done.jobs, "seconds": round(done.seconds, 3), "bytes": done.bytes,
+            "repack": kernel_status()}
+    if done.failed:
+        problems = [Problem("error", error, fix, check=f"layer {layer}")
+                    for layer, (error, fix) in sorted(done.failed.items())]
+        refetch = all(fix == REFETCH_FIX for _e, fix in done.failed.values())
+        return StageResult(
+            Status.FAILED, f"{len(done.failed)} of {len(layers)} layer(s) not converted"
+            f"{' (their shards did not arrive whole)' if refetch else ''}; "
+            f"{len(done.converted)} converted and verified as the download went",
+            data=data, problems=problems)
+    ready = len(done.converted) + len(done.checked)
+    return StageResult(
+        Status.OK, f"{ready} layer(s) converted and verified as their shards arrived, "
+        f"{len(done.skipped)} already done, into {out_dir} ({done.jobs} job(s))",
+        data=data, outputs=outputs)
+

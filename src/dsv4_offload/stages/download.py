@@ -4,11 +4,18 @@ For each weight set: ask the hub for its listing at the recipe's revision (the r
 commit is what we fetch and record), check what is already on disk, make sure the disk
 can take the rest, fetch the missing files with the hub's client (finished files are
 kept; modelscope resumes a partial file by range, huggingface_hub resumes Xet-backed files
-by chunk and restarts a plain-HTTP one), then check every file against the listing: size
-always, sha256 or git blob id where the hub gives one. Hashes of files already verified
-are cached by (size, mtime), so a rerun with everything present hashes nothing and
-fetches nothing. A corrupt file is named, removed, and fetched again on the next run
-(``--repair`` re-hashes everything).
+by chunk and restarts a plain-HTTP one), and check each file against the listing as soon
+as it is complete: size always, sha256 or git blob id where the hub gives one.
+
+The MXFP4 set goes first (the converter reads it), the W8A8 set after (only serve needs
+it); within a set, config and index first, then the shards in the order of the layers
+whose experts they hold (weights/downloads.py), one file at a time unless
+``weights.streams`` says more. The set's record (listing, verified files, failed files) is
+rewritten atomically after every verdict: a `convert --follow` beside us reads it to start
+each layer as soon as its shards are verified, and a SIGKILL loses at most the files in
+flight. Hashes of files already verified are cached by (size, mtime), so a rerun with
+everything present hashes nothing and fetches nothing. A corrupt file is named, removed,
+noted in the record, and fetched again on the next run (``--repair`` re-hashes everything).
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import contextlib
 import os
 import shutil
 import stat
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -28,13 +36,15 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
-from dsv4_offload.weights import hubs
+from dsv4_offload.weights import downloads, hubs
 from dsv4_offload.weights import lock as wlock
+from dsv4_offload.weights.checkpoint import INDEX_FILE
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json
 
 WEIGHT_SETS = ("w8a8", "mxfp4")
-RECORD_SCHEMA = 1
+DOWNLOAD_ORDER = ("mxfp4", "w8a8")  # the converter's source first: serve alone needs W8A8
+MAX_STREAMS = 16
 HASH_WORKERS = 2  # sha256 runs ~1.5 GB/s per thread; two saturate most disks
 GIB = 1 << 30
 SIZE_TOLERANCE = 0.2  # listing total vs recipe expected_bytes before we warn
@@ -124,7 +134,7 @@ def _loopback_bypass(ctx: StageContext, sets: list[str], log: DownloadLog) -> It
 def requested_sets(ctx: StageContext) -> list[str]:
     which = ctx.option("which")
     if which in (None, "", "all"):
-        return list(WEIGHT_SETS)
+        return list(DOWNLOAD_ORDER)
     if which not in WEIGHT_SETS:
         raise InputError(f"download: unknown weight set '{which}'; use one of "
                          f"{', '.join(WEIGHT_SETS)} (or nothing for both)")
@@ -139,9 +149,23 @@ def endpoint_override(ctx: StageContext, hub: str) -> str | None:
     return value
 
 
+def streams(ctx: StageContext) -> int:
+    """Files fetched at once: --streams (or the older --max-workers), else weights.streams."""
+    value = ctx.option("streams") or ctx.option("max_workers") or ctx.recipe.weights.streams
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = 0
+    if not 1 <= count <= MAX_STREAMS:
+        raise InputError(f"download: streams {value!r}: give 1 to {MAX_STREAMS} files at once "
+                         "(--streams N or weights.streams in the recipe)")
+    return count
+
+
 def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     stall_seconds()  # a bad value is refused before any traffic
+    streams(ctx)
     log = DownloadLog(ctx.log_dir / "download.log")
     with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
@@ -272,7 +296,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     offline = bool(ctx.option("local_dir_only")) or hubs.offline_by_env(spec.hub)
     repair = bool(ctx.option("repair"))
     report = SetReport(name)
-    record = _read_record(record_path, spec)
+    record = downloads.read_record(record_path, spec)
 
     if offline:
         if record is None:
@@ -339,7 +363,7 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         if not stat.S_ISREG(st.st_mode):
             raise InputError(f"{local}: not a regular file (a directory, FIFO or device) where "
                              "the listed file goes; move it aside and rerun")
-        if _still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
+        if downloads.still_verified(verified.get(f.path), f, st.st_size, st.st_mtime_ns):
             continue
         if st.st_size != f.size:
             log.write(f"{name}: {f.path}: size {st.st_size} B, listed {f.size} B")
@@ -347,7 +371,12 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
             to_fetch.append(f)
         else:
             to_check.append(f)
-    for f, why in _verify(ctx, name, local_dir, to_check, verified, report, log).items():
+    # from here the record names this listing and only what is verified now; failures of
+    # an earlier run are forgotten (this run fetches those files again)
+    book = _Book(ctx, name, record_path, listing, spec.allow_patterns, verified,
+                 record.get("listed") if offline and record is not None else None)
+    book.forget([f.path for f in to_check + to_fetch])
+    for f, why in _verify(ctx, name, local_dir, to_check, book, report, log).items():
         report.refetched[f.path] = why
         to_fetch.append(f)
     if not offline:  # offline, a bad copy is all there is: report it, keep it
@@ -376,10 +405,8 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
                 fix="free space there, or point the workspace (--workspace DIR) or "
                 f"weights.{name}.dir at a bigger disk", check="disk"))
         else:
-            _fetch(ctx, name, listing, to_fetch, local_dir, verified, report, log)
-    # offline, the listing is the recorded one: keep when it was listed
-    _write_record(record_path, listing, spec.allow_patterns, verified,
-                  listed=record.get("listed") if offline and record is not None else None)
+            _fetch(ctx, name, listing, to_fetch, local_dir, book, report, log)
+    book.write()
     for path, why in report.bad.items():
         report.problems.append(Problem(
             "error", f"{name}: {local_dir / path}: {why} after download; removed",
@@ -453,29 +480,98 @@ def check_structure_only(ctx: StageContext, name: str, local_dir: Path, record_p
     return report
 
 
+class _Book:
+    """The set's record, rewritten atomically after every verdict (from the hash threads),
+    with a ``file.verified`` / ``file.failed`` event for each."""
+
+    def __init__(self, ctx: StageContext, name: str, path: Path, listing: hubs.HubListing,
+                 allow_patterns: list[str], verified: dict[str, Any],
+                 listed: str | None) -> None:
+        self.ctx, self.name, self.path, self.listing = ctx, name, path, listing
+        self.allow_patterns, self.verified, self.listed = allow_patterns, verified, listed
+        self.failed: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    def write(self) -> None:
+        with self._lock:
+            self._write()
+
+    def _write(self) -> None:
+        # offline, the listing is the recorded one: keep when it was listed
+        downloads.write_record(self.path, self.listing, self.allow_patterns, self.verified,
+                               self.failed, listed=self.listed)
+
+    def forget(self, paths: list[str]) -> None:
+        """Files about to be checked or fetched: not verified until they are again."""
+        with self._lock:
+            for path in paths:
+                self.verified.pop(path, None)
+            self._write()
+
+    def good(self, f: hubs.HubFile, local: Path) -> None:
+        with self._lock:
+            self.verified[f.path] = downloads.verified_entry(local, f)
+            self.failed.pop(f.path, None)
+            self._write()
+        self.ctx.event("file.verified", set=self.name, path=f.path, bytes=f.size)
+
+    def bad(self, f: hubs.HubFile, why: str, final: bool) -> None:
+        """A file that does not match: ``final`` when this run will not fetch it again."""
+        with self._lock:
+            self.verified.pop(f.path, None)
+            if final:
+                self.failed[f.path] = downloads.failed_entry(why)
+            self._write()
+        if final:
+            self.ctx.event("file.failed", set=self.name, path=f.path, bytes=f.size, error=why)
+
+
 def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[hubs.HubFile],
-           local_dir: Path, verified: dict[str, Any], report: SetReport,
-           log: DownloadLog) -> None:
+           local_dir: Path, book: _Book, report: SetReport, log: DownloadLog) -> None:
+    """Fetch ``files``: config and index first, then the rest in the order the index
+    gives (weights/downloads.py); each file is verified and recorded as soon as it is
+    complete, while the next one travels."""
     need = sum(f.size for f in files)
     log.write(f"{name}: fetching {len(files)} file(s), {need} B: "
               f"{_sample([f.path for f in files])}")
-    workers = int(ctx.option("max_workers", 4))
+    workers = streams(ctx)
+    head = downloads.download_order([f for f in files if f.path in downloads.HEAD_FILES], None)
+    rest = [f for f in files if f.path not in downloads.HEAD_FILES]
     finished = [0]
+    failures: dict[str, str] = {}
 
     def file_done(f: hubs.HubFile) -> None:
         finished[0] += f.size
         task.update(completed=finished[0])
+        verifier.submit(f)
 
     def poll() -> None:
         task.update(completed=finished[0] + hubs.partial_bytes(listing.hub, local_dir))
 
-    with ctx.task(f"download {name}", total=need, unit="B") as task:
-        failures = hubs.fetch(listing, files, local_dir, ctx.workspace.hub_cache_dir,
-                              max_workers=workers, on_file_done=file_done, on_poll=poll,
-                              stall_s=stall_seconds())
-    for path, err in sorted(failures.items()):
-        log.write(f"{name}: {path}: download failed: {err}")
-        report.missing.append(path)
+    with ctx.task(f"download {name}", total=need, unit="B") as task, \
+            _Verifier(ctx, name, local_dir, book, report, log, need) as verifier:
+        for batch in (head, rest):
+            if batch is rest and rest:
+                verifier.wait()  # the index is verified (or not) before it orders the rest
+                weight_map = downloads.read_weight_map(local_dir / INDEX_FILE)
+                batch = downloads.download_order(rest, weight_map)
+                log.write(f"{name}: order: {_sample([f.path for f in batch], 6)}")
+            if not batch:
+                continue
+            stalled = next((why for why in failures.values() if why.startswith("stalled")), None)
+            if stalled is not None:  # the hub drips: the rest would only drip as well
+                failed = {f.path: stalled for f in batch}
+            else:
+                failed = hubs.fetch(listing, batch, local_dir, ctx.workspace.hub_cache_dir,
+                                    max_workers=workers, on_file_done=file_done,
+                                    on_poll=poll, stall_s=stall_seconds())
+            failures.update(failed)
+            for f in batch:
+                if f.path in failed:
+                    log.write(f"{name}: {f.path}: download failed: {failed[f.path]}")
+                    book.bad(f, f"download failed: {failed[f.path]}", final=True)
+        verifier.wait()
+    report.missing.extend(sorted(failures))
     if failures:
         report.problems.append(Problem(
             "error", f"{name}: {len(failures)} file(s) failed to download: "
@@ -484,40 +580,82 @@ def _fetch(ctx: StageContext, name: str, listing: hubs.HubListing, files: list[h
     done = [f for f in files if f.path not in failures]
     report.fetched = sorted(f.path for f in done)
     report.fetched_bytes = sum(f.size for f in done)
-    for f, why in _verify(ctx, name, local_dir, done, verified, report, log).items():
-        report.bad[f.path] = why
-        hubs.forget_local_copy(listing.hub, local_dir, f.path)
+
+
+class _Verifier:
+    """Hashes each fetched file as soon as it is complete (HASH_WORKERS threads) and records
+    the verdict; a bad file is named, removed with the client's notes, and noted as failed."""
+
+    def __init__(self, ctx: StageContext, name: str, local_dir: Path, book: _Book,
+                 report: SetReport, log: DownloadLog, total: int) -> None:
+        self.ctx, self.name, self.local_dir, self.book = ctx, name, local_dir, book
+        self.report, self.log, self.total = report, log, total
+        self._lock = threading.Lock()
+        self._futures: list[Any] = []
+
+    def __enter__(self) -> _Verifier:
+        self._pool = ThreadPoolExecutor(HASH_WORKERS, thread_name_prefix="verify")
+        self._task = self.ctx.progress.task(f"verify {self.name}", self.total, "B")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        # interrupted: files not hashed yet are hashed by the next run (never fetched again)
+        self._pool.shutdown(wait=exc[0] is None, cancel_futures=exc[0] is not None)
+        self._task.close()
+
+    def submit(self, f: hubs.HubFile) -> None:
+        self._futures.append(self._pool.submit(self._one, f))
+
+    def wait(self) -> None:
+        for future in self._futures:
+            future.result()
+        self._futures.clear()
+
+    def _advance(self, n: int) -> None:
+        with self._lock:  # a Task's advance is a read-modify-write
+            self._task.advance(n)
+
+    def _one(self, f: hubs.HubFile) -> None:
+        local = self.local_dir / f.path
+        why = hubs.check_content(local, f, self._advance)
+        with self._lock:
+            self.report.hashed_bytes += f.size
+        if why is None:
+            self.book.good(f, local)
+            return
+        self.log.write(f"{self.name}: {f.path}: {why}")
+        with self._lock:
+            self.report.bad[f.path] = why
+        hubs.forget_local_copy(self.book.listing.hub, self.local_dir, f.path)
+        self.book.bad(f, why, final=True)
 
 
 def _verify(ctx: StageContext, name: str, local_dir: Path, files: list[hubs.HubFile],
-            verified: dict[str, Any], report: SetReport,
-            log: DownloadLog) -> dict[hubs.HubFile, str]:
-    """Hash ``files`` against the listing; record the good ones, return the bad ones."""
+            book: _Book, report: SetReport, log: DownloadLog) -> dict[hubs.HubFile, str]:
+    """Hash files found on disk against the listing; record the good ones (each as soon as
+    it is hashed), return the bad ones (fetched again by this run)."""
     if not files:
         return {}
     bad: dict[hubs.HubFile, str] = {}
     total = sum(f.size for f in files)
+    lock = threading.Lock()
     with ctx.task(f"verify {name}", total=total, unit="B") as task, \
             ThreadPoolExecutor(max_workers=HASH_WORKERS) as pool:
-        results = pool.map(lambda f: (f, hubs.check_content(local_dir / f.path, f, task.advance)),
+        def advance(n: int) -> None:
+            with lock:
+                task.advance(n)
+
+        results = pool.map(lambda f: (f, hubs.check_content(local_dir / f.path, f, advance)),
                            files)
         for f, why in results:
             report.hashed_bytes += f.size
             if why is None:
-                st = (local_dir / f.path).stat()
-                verified[f.path] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns,
-                                    "sha256": f.sha256, "git_oid": f.git_oid}
+                book.good(f, local_dir / f.path)
             else:
-                verified.pop(f.path, None)
+                book.bad(f, why, final=False)
                 bad[f] = why
                 log.write(f"{name}: {f.path}: {why}")
     return bad
-
-
-def _still_verified(entry: Any, f: hubs.HubFile, size: int, mtime_ns: int) -> bool:
-    return (isinstance(entry, dict) and entry.get("size") == size == f.size
-            and entry.get("mtime_ns") == mtime_ns and entry.get("sha256") == f.sha256
-            and entry.get("git_oid") == f.git_oid)
 
 
 def _local_files(local_dir: Path) -> list[str]:
@@ -546,31 +684,3 @@ def _disk_shortfall(local_dir: Path, need: int) -> int | None:
 def _sample(paths: list[str], limit: int = 3) -> str:
     text = ", ".join(paths[:limit])
     return text + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
-
-
-# --- the per-set record --------------------------------------------------------------------
-
-
-def _read_record(path: Path, spec: Any) -> dict[str, Any] | None:
-    """The previous listing and verdicts, if they describe the same repo, revision, patterns."""
-    record = read_json(path, None)
-    if record is None:
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("listing"), dict) \
-            or not isinstance(record.get("verified"), dict):
-        raise InputError(f"{path}: not a weights record; delete it and rerun "
-                         "`dsv4-offload download` (files on disk are re-hashed, not re-fetched)")
-    same = (record["listing"].get("hub") == spec.hub
-            and record["listing"].get("repo_id") == spec.repo_id
-            and record.get("revision") == spec.revision
-            and record.get("allow_patterns") == list(spec.allow_patterns))
-    return record if same else None
-
-
-def _write_record(path: Path, listing: hubs.HubListing, allow_patterns: list[str],
-                  verified: dict[str, Any], listed: str | None = None) -> None:
-    atomic_write_json(path, {
-        "schema": RECORD_SCHEMA, "listed": listed or now_iso(), "revision": listing.revision,
-        "allow_patterns": list(allow_patterns), "listing": listing.as_dict(),
-        "verified": verified,
-    })

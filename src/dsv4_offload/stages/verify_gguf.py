@@ -10,27 +10,39 @@
    codes and scales after the repack, bit for bit (stricter than comparing dequantized
    values, which would let -0 pass for +0).
 On success the digests are merged into `gguf-sha256.txt` beside the files.
+
+Layers `convert` already checked as it wrote them (a convert that followed the download:
+the same checks, weights/layercheck.py, with a bit-exact sample of every layer) and that
+are unchanged since (size and mtime) are not read again: their recorded digest stands for
+level 2, their sample for the default level 3 (an explicit `--deep N` compares anyway).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import hashlib
 import os
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import InputError
-from dsv4_offload.core.inputs import read_user_text
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import default_jobs, gguf_dir, parse_layers, source_dir
+from dsv4_offload.weights.layercheck import (  # the checks convert runs per layer, too
+    check_delivery_manifest,
+    compare_with_source,
+    deep_layers,
+    expected_digests,
+    file_problems,
+    hash_files,
+    read_layer_checks,
+    still_checked,
+)
+from dsv4_offload.weights.layercheck import redo as _redo
 from dsv4_offload.workspace.context import StageContext
 
-HASH_CHUNK = 16 * 2**20
-MAX_DIFFS_PER_LAYER = 8
+__all__ = ["check_delivery_manifest", "deep_layers", "expected_digests", "run"]
 
 
 @dataclass
@@ -52,40 +64,14 @@ class Report:
         return any(p.severity == "error" for p in self.problems)
 
 
-def _redo(layer: int) -> str:
-    return f"rerun `dsv4-offload convert --layers {layer} --force`"
-
-
 # --- level 1 -------------------------------------------------------------------------------
 
 
 def check_files(layouts: dict[int, Any], paths: dict[int, Path], report: Report) -> None:
     """Presence, exact size and header structure of every file."""
-    from dsv4_offload.weights.gguf_io import structural_problems
-
     for layer, layout in layouts.items():
-        path = paths[layer]
-        try:
-            size = path.stat().st_size
-        except (FileNotFoundError, NotADirectoryError):
-            report.error(f"layer {layer}: {path} is missing",
-                         f"run `dsv4-offload convert --layers {layer}`", "level1")
-            continue
-        if size != layout.file_bytes:
-            report.error(f"layer {layer}: {path} is {size} B, expected {layout.file_bytes} B "
-                         f"({'truncated' if size < layout.file_bytes else 'too long'})",
-                         _redo(layer), "level1")
-            continue
-        found = structural_problems(path, layout)
-        if not found:
-            with open(path, "rb") as fh:
-                head = fh.read(layout.data_offset)
-            if head != layout.header:
-                at = next(i for i, (a, b) in enumerate(zip(head, layout.header, strict=True))
-                          if a != b)
-                found = [f"header byte {at} differs from the converter's header"]
-        for text in found:
-            report.error(f"layer {layer}: {path.name}: {text}", _redo(layer), "structure")
+        for message, fix, check in file_problems(layer, layout, paths[layer]):
+            report.error(message, fix, check)
 
 
 def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: Report) -> None:
@@ -110,206 +96,6 @@ def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: R
                     f"{out_dir} (converted by hand or by an older version): layers "
                     f"{unrecorded[:8]}", "rerun `dsv4-offload convert --force` to record it",
                     "source")
-
-
-# --- level 2 -------------------------------------------------------------------------------
-
-
-def sha256_file(path: Path, advance: Any = None) -> str:
-    """sha256 of a file, read once in large chunks (hashlib releases the GIL on them)."""
-    digest = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            digest.update(view[:n])
-            if advance is not None:
-                advance(n)
-    return digest.hexdigest()
-
-
-def _thread_safe(advance: Any) -> Any:
-    """``advance`` callable from several threads (a Task's advance is a read-modify-write)."""
-    if advance is None:
-        return None
-    lock = threading.Lock()
-
-    def locked_advance(n: int) -> None:
-        with lock:
-            advance(n)
-
-    return locked_advance
-
-
-def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, str]:
-    locked_advance = _thread_safe(advance)
-    with cf.ThreadPoolExecutor(max(1, jobs), thread_name_prefix="sha256") as pool:
-        digests = pool.map(lambda p: sha256_file(p, locked_advance), paths)
-        return dict(zip(paths, digests, strict=True))
-
-
-def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
-                     out_dir: Path) -> tuple[dict[str, str] | None, str]:
-    """(file name -> digest, where they come from), or (None, why not) if there are none."""
-    from dsv4_offload.weights.gguf_io import OWN_MANIFEST, parse_manifest, read_own_manifest
-
-    manifest = ctx.option("manifest")
-    if manifest:
-        path = Path(manifest)
-        text = read_user_text(path, "manifest", 1 << 20, "give a sha256sum file",
-                              label=f"--manifest {path}")
-        return parse_manifest(text, str(path)), str(path)
-    conv = ctx.recipe.conversion
-    if real_dims and conv.digests:
-        check_delivery_manifest(ctx)
-        return {names[k]: v for k, v in conv.digests.items() if k in names}, \
-            "the recipe's published digests (conversion.digests)"
-    own = read_own_manifest(out_dir)
-    if own is not None:
-        return own, str(out_dir / OWN_MANIFEST)
-    return None, "no published digests for these dims and no manifest"
-
-
-def check_delivery_manifest(ctx: StageContext) -> Path | None:
-    """If the delivery's manifest has been fetched, it must agree with the inline digests.
-
-    The recipe carries the 43 digests itself (usable before `fetch`); when the pinned
-    manifest file is in the workspace too, a disagreement means the recipe was edited
-    wrongly, and which one to trust is the user's call.
-    """
-    from dsv4_offload.weights.gguf_io import parse_manifest
-
-    conv = ctx.recipe.conversion
-    pinned = conv.digests_manifest
-    if pinned is None:
-        return None
-    path = ctx.workspace.source_dir(ctx.recipe, pinned.source) / pinned.path
-    try:
-        raw = path.read_bytes()
-    except OSError:
-        return None  # not fetched: the inline digests stand alone
-    if hashlib.sha256(raw).hexdigest() != pinned.sha256:
-        raise InputError(
-            f"{path}: sha256 differs from conversion.digests_manifest.sha256 in the recipe; "
-            "the delivery checkout is modified: rerun `dsv4-offload fetch --force`"
-        )
-    published = parse_manifest(raw.decode("utf-8", "replace"), str(path))
-    for layer, digest in sorted(conv.digests.items()):
-        name = conv.file_name(layer)
-        if published.get(name) != digest:
-            raise InputError(
-                f"recipe conversion.digests[{layer}] is {digest[:16]}… but the delivery's "
-                f"{path.name} says {str(published.get(name))[:16]}… for {name}; fix the recipe"
-            )
-    return path
-
-
-# --- level 3 -------------------------------------------------------------------------------
-
-
-def _pread_into(fd: int, out: Any, offset: int, path: Path) -> None:
-    view = memoryview(out)
-    done = 0
-    while done < len(view):
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise InputError(f"{path}: unexpected end of file at byte {offset + done}; it "
-                             "changed during the check: rerun `dsv4-offload verify-gguf`")
-        done += n
-
-
-def _equal(a: Any, b: Any) -> bool:
-    import numpy as np
-
-    if a.size % 8 == 0:  # compare 8 bytes at a time
-        return bool(np.array_equal(a.view(np.uint64), b.view(np.uint64)))
-    return bool(np.array_equal(a, b))
-
-
-def _describe_diff(layer: int, tensor: Any, expert: int, got: Any, want: Any) -> str:
-    import numpy as np
-
-    from dsv4_offload.weights import mxfp4
-
-    rows_got = got.reshape(tensor.rows, tensor.row_bytes)
-    rows_want = want.reshape(tensor.rows, tensor.row_bytes)
-    bad_rows = np.nonzero((rows_got != rows_want).any(axis=1))[0]
-    row = int(bad_rows[0])
-    blocks_got = rows_got[row].reshape(-1, mxfp4.BLOCK_BYTES)
-    blocks_want = rows_want[row].reshape(-1, mxfp4.BLOCK_BYTES)
-    block = int(np.nonzero((blocks_got != blocks_want).any(axis=1))[0][0])
-    if blocks_got[block, 0] != blocks_want[block, 0]:
-        what = (f"scale (E8M0) 0x{int(blocks_got[block, 0]):02x} in the file, "
-                f"0x{int(blocks_want[block, 0]):02x} from the source")
-    else:
-        what = "E2M1 codes differ from the source"
-    return (f"layer {layer}: tensor {tensor.name} ({tensor.projection}), expert {expert}, "
-            f"row {row}, block {block}: {what} ({len(bad_rows)} of {tensor.rows} rows differ)")
-
-
-def compare_with_source(path: Path, layout: Any, ckpt: Any, threads: int,
-                        advance: Any = None) -> list[str]:
-    """Bit-exact comparison of one layer file with the repacked source; returns differences."""
-    import numpy as np
-
-    from dsv4_offload.weights import mxfp4
-
-    entries = ckpt.layer_tensors(layout.layer)
-    experts = layout.dims.experts
-    threads = max(1, min(threads, experts))
-    advance = _thread_safe(advance)
-    fd = os.open(path, os.O_RDONLY)
-
-    def compare_range(lo: int, hi: int) -> list[tuple[int, int, Any, Any]]:
-        max_out = max(t.expert_bytes for t in layout.tensors)
-        got_buf, want_buf = np.empty(max_out, np.uint8), np.empty(max_out, np.uint8)
-        repacker = mxfp4.Repacker()  # one per thread: it owns scratch buffers
-        diffs: list[tuple[int, int, Any, Any]] = []
-        for t_index, (tensor, (_proj, pairs)) in enumerate(
-                zip(layout.tensors, entries, strict=True)):
-            for expert in range(lo, hi):
-                w_entry, s_entry = pairs[expert]
-                got = got_buf[: tensor.expert_bytes]
-                want = want_buf[: tensor.expert_bytes]
-                _pread_into(fd, got, tensor.expert_offset(expert), path)
-                with ckpt.mapped(w_entry) as weight, ckpt.mapped(s_entry) as scale:
-                    repacker.repack_into(weight, scale, want)
-                    del weight, scale  # let the maps close
-                if not _equal(got, want) and len(diffs) < MAX_DIFFS_PER_LAYER:
-                    diffs.append((t_index, expert, got.copy(), want.copy()))
-                if advance is not None:
-                    advance(tensor.expert_bytes)
-        return diffs
-
-    try:
-        bounds = [(i * experts // threads, (i + 1) * experts // threads) for i in range(threads)]
-        with cf.ThreadPoolExecutor(threads, thread_name_prefix="deep") as pool:
-            found = [d for part in pool.map(lambda b: compare_range(*b), bounds) for d in part]
-    finally:
-        os.close(fd)
-    messages = []
-    found.sort(key=lambda d: (d[0], d[1]))
-    for t_index, expert, got, want in found[:MAX_DIFFS_PER_LAYER]:
-        tensor = layout.tensors[t_index]
-        text = _describe_diff(layout.layer, tensor, expert, got, want)
-        twin = next((e for t, e, _g, w in found if t == t_index and e != expert
-                     and _equal(got, w)), None)
-        if twin is not None:
-            text += f"; it holds expert {twin}'s data (experts out of order)"
-        messages.append(text)
-    return messages
-
-
-def deep_layers(layers: list[int], count: int) -> list[int]:
-    """`count` evenly spaced layers of `layers` (first and last included)."""
-    if count <= 0 or not layers:
-        return []
-    if count >= len(layers):
-        return list(layers)
-    if count == 1:
-        return [layers[len(layers) // 2]]
-    step = (len(layers) - 1) / (count - 1)
-    return sorted({layers[round(i * step)] for i in range(count)})
 
 
 # --- the stage -----------------------------------------------------------------------------
@@ -362,9 +148,13 @@ def run(ctx: StageContext) -> StageResult:
     report.levels["1"] = "failed" if report.failed else "ok"
     if report.failed:
         return _result(report, f"level 1 failed for {len(layers)} layer file(s) in {out_dir}")
+    checks = read_layer_checks(out_dir)
+    prechecked = {layer: checks[names[layer]] for layer in layers
+                  if still_checked(checks.get(names[layer]), paths[layer])}
+    report.data["prechecked"] = sorted(prechecked)
     expected, origin = expected_digests(ctx, names, real_dims, out_dir)
-    digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report)
-    _level3(ctx, layouts, paths, source if has_source else None, jobs, report)
+    digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report, prechecked)
+    _level3(ctx, layouts, paths, source if has_source else None, jobs, report, prechecked)
     if report.failed:
         return _result(report, f"verification failed ({_levels_text(report)})")
     manifest = write_own_manifest(out_dir, digests)
@@ -375,14 +165,18 @@ def run(ctx: StageContext) -> StageResult:
 
 def _level2(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
             names: dict[int, str], expected: dict[str, str] | None, origin: str, jobs: int,
-            report: Report) -> dict[str, str]:
-    """Hash every file once (in parallel) and compare; returns file name -> digest."""
-    total = sum(layout.file_bytes for layout in layouts.values())
+            report: Report, prechecked: dict[int, Any] | None = None) -> dict[str, str]:
+    """Hash every file once (in parallel; not those convert hashed, unchanged since) and
+    compare; returns file name -> digest."""
+    prechecked = prechecked or {}
+    todo = [layer for layer in layouts if layer not in prechecked]
+    total = sum(layouts[layer].file_bytes for layer in todo)
     t0 = time.monotonic()
     with ctx.task("verify: sha256", total, "B") as task:
-        digests = hash_files([paths[layer] for layer in layouts], jobs, task.advance)
+        digests = hash_files([paths[layer] for layer in todo], jobs, task.advance)
     seconds = time.monotonic() - t0
-    by_name = {names[layer]: digests[paths[layer]] for layer in layouts}
+    by_name = {names[layer]: digests[paths[layer]] if layer in todo
+               else str(prechecked[layer]["sha256"]) for layer in layouts}
     report.data.update(digests=by_name, digest_source=origin,
                        sha256_gb_per_s=round(total / max(seconds, 1e-9) / 1e9, 3))
     if expected is None:
@@ -405,13 +199,21 @@ def _level2(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
 
 
 def _level3(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
-            source: Path | None, jobs: int, report: Report) -> None:
-    """Compare --deep N evenly spaced layers bit for bit with the repacked source."""
+            source: Path | None, jobs: int, report: Report,
+            prechecked: dict[int, Any] | None = None) -> None:
+    """Compare --deep N evenly spaced layers bit for bit with the repacked source (by
+    default, not a layer convert compared a sample of, unchanged since)."""
     from dsv4_offload.weights.checkpoint import Checkpoint
 
     deep_option = ctx.option("deep")
     chosen = deep_layers(list(layouts), 1 if deep_option is None else int(deep_option))
     report.levels["3"] = "skipped"
+    sampled = sorted(layer for layer, entry in (prechecked or {}).items()
+                     if entry.get("experts_compared"))
+    if deep_option is None and chosen and set(chosen) <= set(sampled):
+        report.levels["3"] = "ok"  # by convert, as it wrote each layer
+        report.data.update(deep_layers=[], sampled_by_convert=sampled)
+        return
     if not chosen:
         return
     if source is None:

@@ -84,6 +84,13 @@ def expert_key(layer: int, expert: int, projection: str, kind: str, prefix: str 
     return f"{prefix}layers.{layer}.ffn.experts.{expert}.{projection}.{kind}"
 
 
+def expert_layer(key: str) -> int | None:
+    """The layer of an expert tensor's name (with or without the ``model.`` prefix), else
+    None: the index's weight_map tells which shard holds which layer's experts."""
+    m = _EXPERT_KEY.match(key)
+    return int(m.group(2)) if m else None
+
+
 def expected_expert_tensor(dims: MoeDims, projection: str, kind: str
                            ) -> tuple[str, tuple[int, int]]:
     """(dtype, shape) the checkpoint must hold for one expert tensor."""
@@ -494,16 +501,39 @@ def _random_bytes(seed: tuple[int, ...], kind: str, shape: tuple[int, int],
     return make
 
 
+def _plain_tensors(dims: MoeDims, names: tuple[str, ...]) -> list[TensorSpec]:
+    """Small BF16 stand-ins for the non-expert tensors of a shard (nothing here reads them:
+    they give the synthetic checkpoint the real one's shape of shards)."""
+    return [TensorSpec(name, "BF16", (8, dims.hidden),
+                       lambda: bytes(8 * dims.hidden * 2)) for name in names]
+
+
 def write_synthetic_checkpoint(root: Path, dims: MoeDims, seed: int = 0,
                                layers: Iterable[int] | None = None,
-                               exponents: tuple[int, int] | None = None) -> Path:
-    """A native-layout MXFP4 checkpoint (config, index, one shard per layer) under `root`."""
+                               exponents: tuple[int, int] | None = None, *,
+                               real_layout: bool = False,
+                               shard_name: Callable[[int, int], str] | None = None) -> Path:
+    """A native-layout MXFP4 checkpoint (config, index, one shard per layer) under `root`.
+
+    ``real_layout`` orders the shards like the real checkpoint's: a shard of embeddings
+    first, then one shard per layer, then a last one with the head. ``shard_name(i, n)``
+    names the i-th of n shards (1-based; default ``model-{i:05d}-of-{n:05d}.safetensors``),
+    e.g. to make names and layers disagree.
+    """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     todo = list(range(dims.layers) if layers is None else layers)
+    name_of = shard_name or (lambda i, n: f"model-{i:05d}-of-{n:05d}.safetensors")
+    count = len(todo) + (2 if real_layout else 0)
+    first = 2 if real_layout else 1
     weight_map: dict[str, str] = {}
+    if real_layout:
+        for i, names in ((1, ("embed.weight",)), (count, ("norm.weight", "head.weight"))):
+            specs = _plain_tensors(dims, names)
+            write_safetensors(root / name_of(i, count), specs)
+            weight_map.update({s.name: name_of(i, count) for s in specs})
     for i, layer in enumerate(todo):
-        shard = f"model-{i + 1:05d}-of-{len(todo):05d}.safetensors"
+        shard = name_of(i + first, count)
         specs = list(synthetic_layer_tensors(dims, layer, seed, exponents))
         write_safetensors(root / shard, specs)
         weight_map.update({s.name: shard for s in specs})

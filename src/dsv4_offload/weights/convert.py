@@ -237,10 +237,9 @@ def convert_layer(source: Path, layout: Any, final: Path,
             raise InputError(f"{source}: config.json changed during the conversion; rerun")
         entries = ckpt.layer_tensors(layout.layer)
         try:
+            # inside the try that removes it: a Ctrl-C landing just after the temp file
+            # was created (before any byte) leaves nothing behind either
             fd = create_exclusive(tmp)
-        except OSError as exc:
-            raise _disk_error(exc, final, size) from None
-        try:
             try:
                 _preallocate(fd, size)
                 _pwrite_all(fd, memoryview(layout.header), 0)
@@ -301,3 +300,77 @@ def _stream_experts(ckpt: Any, entries: list[Any], layout: Any, fd: int,
         for future in pending:
             if future is not None:
                 future.result()
+
+
+# --- worker processes and progress (both convert modes) ------------------------------------
+
+_progress_queue: Any = None
+_stop: Any = None
+
+
+def init_worker(progress_queue: Any, stop: Any) -> None:
+    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert."""
+    import signal
+
+    global _progress_queue, _stop
+    _progress_queue, _stop = progress_queue, stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """A SIGKILLed `convert` must not leave workers finishing layers behind its back."""
+    import ctypes
+    import signal
+    import sys
+
+    if sys.platform != "linux":
+        return
+    pr_set_pdeathsig = 1
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, int(signal.SIGKILL))
+
+
+def worker_progress(layer: int) -> Callable[[int], None]:
+    """In a worker: bytes of ``layer`` done go to the parent; a stop set there ends the
+    layer at its next expert (convert_layer removes its temp file on the way out)."""
+    def report(nbytes: int) -> None:
+        if _stop.is_set():
+            raise KeyboardInterrupt
+        _progress_queue.put((layer, nbytes))
+
+    return report
+
+
+@dataclass
+class Bars:
+    """One bar per running layer plus the overall bar with its rate in GB/s."""
+
+    ctx: StageContext
+    total: int
+    started: float
+    done: int = 0
+
+    def __post_init__(self) -> None:
+        self.overall = self.ctx.progress.task("convert (all layers)", self.total, "B")
+        self.layers: dict[int, Any] = {}
+
+    def open(self, layer: int, nbytes: int) -> None:
+        self.layers[layer] = self.ctx.progress.task(f"layer {layer}", nbytes, "B")
+
+    def advance(self, layer: int, nbytes: int) -> None:
+        self.done += nbytes
+        if layer in self.layers:
+            self.layers[layer].advance(nbytes)
+        rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e9
+        self.overall.update(completed=self.done, description=f"convert ({rate:.2f} GB/s)")
+
+    def finish(self, layer: int) -> None:
+        task = self.layers.pop(layer, None)
+        if task is not None:
+            task.close()
+
+    def close(self) -> None:
+        for layer in list(self.layers):
+            self.finish(layer)
+        self.overall.close()

@@ -341,21 +341,37 @@ class Workspace:
                                  "aside) and rerun: the stage runs again")
         return state
 
+    @contextlib.contextmanager
+    def _records_lock(self) -> Iterator[None]:
+        """Held around each read-modify-write of the state file and provenance: stages of
+        a pipelined run (download and convert side by side) write their records from
+        separate processes, and neither may lose the other's. The lock is taken on the
+        metadata directory itself (flock works on a directory's descriptor): no lock file."""
+        self.meta_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.meta_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
-        state = self.read_state()
-        state["schema"] = STATE_SCHEMA
-        state["stages"][stage] = record
-        atomic_write_json(self.state_file, state)
+        with self._records_lock():
+            state = self.read_state()
+            state["schema"] = STATE_SCHEMA
+            state["stages"][stage] = record
+            atomic_write_json(self.state_file, state)
 
     # --- provenance ---
     def update_provenance(self, section: str, value: Any) -> None:
-        prov = read_json(self.provenance_file, {})
-        if not isinstance(prov, dict):
-            prov = {}
-        prov.setdefault("schema", 1)
-        prov[section] = value
-        prov["updated"] = now_iso()
-        atomic_write_json(self.provenance_file, prov)
+        with self._records_lock():
+            prov = read_json(self.provenance_file, {})
+            if not isinstance(prov, dict):
+                prov = {}
+            prov.setdefault("schema", 1)
+            prov[section] = value
+            prov["updated"] = now_iso()
+            atomic_write_json(self.provenance_file, prov)
 
 
 CACHE_ENV = "DSV4_CACHE"
