@@ -19,6 +19,8 @@ synthetic checkpoint takes seconds to download: time to watch or kill it. Files 
 ``corrupt_served`` are served with one flipped byte (same size) to play a hub or proxy
 that hands out bad data; ``phantom`` adds listing entries that are never served (a hostile
 hub's absolute or ``..`` paths); ``listing_body`` replaces the listings' JSON with raw bytes.
+``move_to`` pushes a new commit: the branches follow it, and the Hugging Face endpoints
+still serve the earlier commits by their sha, as the Hub does.
 """
 
 from __future__ import annotations
@@ -51,12 +53,27 @@ class HubRepo:
     phantom: dict[str, int] = field(default_factory=dict)  # path -> claimed size, never served
     # a hostile hub: the listing endpoints answer these bytes instead (an HTML page, junk)
     listing_body: bytes | None = None
+    # earlier commits, still served by their sha: commit -> its files
+    history: dict[str, dict[str, bytes]] = field(default_factory=dict)
 
-    def sha256(self, path: str) -> str:
-        return hashlib.sha256(self.files[path]).hexdigest()
+    def move_to(self, commit: str, files: dict[str, bytes]) -> None:
+        """Push a new commit: the branches point at it, the old one stays fetchable by sha."""
+        self.history[self.commit] = self.files
+        self.commit, self.files = commit, files
 
-    def served_bytes(self, path: str) -> bytes:
-        data = self.files[path]
+    def at(self, rev: str) -> tuple[str, dict[str, bytes]] | None:
+        """(commit, files) a branch or commit sha names, None when the hub has no such one."""
+        if rev in self.revisions or rev == self.commit:
+            return self.commit, self.files
+        if rev in self.history:
+            return rev, self.history[rev]
+        return None
+
+    def sha256(self, path: str, files: dict[str, bytes] | None = None) -> str:
+        return hashlib.sha256((self.files if files is None else files)[path]).hexdigest()
+
+    def served_bytes(self, path: str, files: dict[str, bytes] | None = None) -> bytes:
+        data = (self.files if files is None else files)[path]
         if path in self.corrupt_served and data:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         return data
@@ -242,11 +259,12 @@ class StandinHub:
                 if repo is None:
                     return self._json({"error": "Repository not found"}, head, 404,
                                       {"X-Error-Code": "RepoNotFound"})
-                if rev not in repo.revisions and rev != repo.commit:
+                snap = repo.at(rev)
+                if snap is None:
                     return self._json({"error": "Revision not found"}, head, 404,
                                       {"X-Error-Code": "RevisionNotFound"})
-                siblings = [{"rfilename": p} for p in sorted(repo.files)]
-                self._json({"id": repo_id, "modelId": repo_id, "sha": repo.commit,
+                siblings = [{"rfilename": p} for p in sorted(snap[1])]
+                self._json({"id": repo_id, "modelId": repo_id, "sha": snap[0],
                             "private": False, "siblings": siblings}, head)
 
             def _hf_tree(self, repo_id: str, rev: str, sub: str, head: bool) -> None:
@@ -257,14 +275,18 @@ class StandinHub:
                 if repo.listing_body is not None:
                     return self._send(200, repo.listing_body, {"Content-Type": "text/html"},
                                       head)
+                snap = repo.at(rev)
+                if snap is None:
+                    return self._json({"error": "Revision not found"}, head, 404,
+                                      {"X-Error-Code": "RevisionNotFound"})
                 entries = []
-                for p, data in sorted(repo.files.items()):
+                for p, data in sorted(snap[1].items()):
                     if sub and not p.startswith(sub + "/"):
                         continue
                     entry: dict[str, object] = {"type": "file", "path": p, "size": len(data),
                                                 "oid": git_blob_oid(data)}
                     if len(data) >= LFS_THRESHOLD:
-                        entry["lfs"] = {"oid": repo.sha256(p), "size": len(data),
+                        entry["lfs"] = {"oid": repo.sha256(p, snap[1]), "size": len(data),
                                         "pointerSize": 134}
                     entries.append(entry)
                 for p, size in sorted(repo.phantom.items()):
@@ -274,27 +296,30 @@ class StandinHub:
 
             def _hf_resolve(self, repo_id: str, rev: str, fname: str, head: bool) -> None:
                 repo = self._repo(repo_id)
-                if repo is None or fname not in repo.files:
+                snap = repo.at(rev) if repo else None
+                if repo is None or snap is None or fname not in snap[1]:
                     return self._not_found(head, f"{fname} not found",
                                            {"X-Repo-Commit": repo.commit} if repo else None)
-                true = repo.files[fname]
+                commit, files = snap
+                true = files[fname]
                 if len(true) >= LFS_THRESHOLD:
-                    sha = repo.sha256(fname)
+                    sha = repo.sha256(fname, files)
                     return self._send(302, b"", {
                         "Location": f"{hub.cdn_url}/cdn/{repo_id}/{sha}",
-                        "X-Repo-Commit": repo.commit, "X-Linked-Etag": f'"{sha}"',
+                        "X-Repo-Commit": commit, "X-Linked-Etag": f'"{sha}"',
                         "X-Linked-Size": str(len(true)), "ETag": '"pointer-oid"'}, head)
-                headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{git_blob_oid(true)}"',
+                headers = {"X-Repo-Commit": commit, "ETag": f'"{git_blob_oid(true)}"',
                            "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes"}
-                self._ranged(repo.served_bytes(fname), headers, head)
+                self._ranged(repo.served_bytes(fname, files), headers, head)
 
             def _cdn(self, repo_id: str, sha: str, head: bool) -> None:
                 repo = self._repo(repo_id)
-                name = next((p for p in (repo.files if repo else {}) if repo
-                             and repo.sha256(p) == sha), None)
-                if repo is None or name is None:
+                found = next(((p, files) for files in ([repo.files, *repo.history.values()]
+                                                       if repo else [])
+                              for p in files if repo and repo.sha256(p, files) == sha), None)
+                if repo is None or found is None:
                     return self._not_found(head, "no such blob")
-                self._ranged(repo.served_bytes(name), {
+                self._ranged(repo.served_bytes(*found), {
                     "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
                     "ETag": f'"{sha}"'}, head)
 

@@ -322,11 +322,18 @@ def test_a_host_too_small_for_the_pools_is_a_warning_with_a_fix_that_works(
     checks = {c.name: c for c in doctor.evaluate(recipe, facts)[0]}
     row = checks["numa"]
     assert row.status == "warn", row  # a host fact: a warning with its consequence
-    assert "serve would stop here" in row.fix
+    assert "slower decode" in row.fix  # the serve plan's own words (serving.rules.cpu_plan)
     fix = re.search(r"--set (serve\.reserved_cores=\d+)", row.fix)
     assert fix, row.fix
     fixed, _ = load_recipe_and_series(RECIPE_910B, [fix.group(1)])
     assert {c.name: c for c in doctor.evaluate(fixed, facts)[0]}["numa"].status == "ok"
+
+
+def test_fewer_cpus_than_numa_nodes_fails_the_row_as_serve_would(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series(RECIPE_910B)
+    facts = dataclasses.replace(facts_of("kunpeng920-910b", recipe), cores=4)
+    row = {c.name: c for c in doctor.evaluate(recipe, facts)[0]}["numa"]
+    assert row.status == "fail" and "export KT_THREADPOOL_COUNT=4" in row.fix, row
 
 
 # --- fingerprint ---------------------------------------------------------------------------

@@ -312,8 +312,7 @@ def _lock(root: Path) -> dict:
     return json.loads((root / "weights.lock.json").read_text())
 
 
-def test_download_locks_both_resolved_revisions_and_flags_drift(tmp_path: Path,
-                                                               hub: StandinHub) -> None:
+def test_download_locks_both_resolved_revisions(tmp_path: Path, hub: StandinHub) -> None:
     result = download.run(make_ctx(tmp_path, endpoint=hub.url))
     assert result.status is Status.OK, result.problems
     lock = _lock(tmp_path)
@@ -322,18 +321,80 @@ def test_download_locks_both_resolved_revisions_and_flags_drift(tmp_path: Path,
     assert hf["base_model"]["name"] == MXFP4_REPO
     ms = lock[f"modelscope:{W8A8_REPO}@master"]
     assert ms["identity"] == f"listing:{ms['listing_digest']}"  # ModelScope names no commit
-    # the Hub moves `main` to another commit: the next download refuses, naming both
+
+
+def _revised(repo_files: dict[str, bytes]) -> dict[str, bytes]:
+    return {**repo_files, "config.json": json.dumps(
+        {"model_type": "deepseek_v4", "num_hidden_layers": 2, "revised": 1}).encode()}
+
+
+def test_drift_on_the_hub_fetches_the_locked_commit(tmp_path: Path, hub: StandinHub) -> None:
+    # one set at a time: the other's absence is a warning
+    first = download.run(make_ctx(tmp_path / "a", endpoint=hub.url, which="mxfp4"))
+    assert first.status is Status.WARN, first.problems
     repo = hub.repos[MXFP4_REPO]
-    repo.commit = "b" * 40
-    repo.files["config.json"] = json.dumps({"model_type": "deepseek_v4",
-                                            "num_hidden_layers": 2, "revised": 1}).encode()
-    again = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    old_sha, old_files = repo.commit, dict(repo.files)
+    repo.move_to("b" * 40, _revised(repo.files))  # `main` moves on
+    # another machine with this lock and no weights yet (or the weights deleted)
+    ws = tmp_path / "b"
+    ws.mkdir()
+    (ws / "weights.lock.json").write_bytes((tmp_path / "a" / "weights.lock.json").read_bytes())
+    hub.requests.clear()
+    again = download.run(make_ctx(ws, endpoint=hub.url, which="mxfp4"))
+    assert again.status is Status.WARN, again.problems
+    (drift,) = [p for p in again.problems if p.check == "drift"]
+    assert drift.severity == "warning"
+    assert drift.message.startswith(f"mxfp4: {MXFP4_REPO}@main now resolves to {'b' * 40}, "
+                                    f"locked at {old_sha} on ")
+    assert f"fetching the locked commit {old_sha} instead" in drift.message
+    assert f"--set weights.mxfp4.revision={'b' * 40}" in drift.fix
+    target = weights(make_ctx(ws), "mxfp4")
+    for path, data in old_files.items():
+        assert (target / path).read_bytes() == data  # the locked commit's files, not main's
+    assert any(f"/resolve/{old_sha}/" in r.path for r in hub.data_requests())
+    assert not any("/resolve/main/" in r.path for r in hub.requests)
+    assert again.outputs["mxfp4"]["resolved"] == old_sha
+    assert again.outputs["mxfp4"]["revision"] == "main"  # the lock's key stays the recipe's
+    entry = _lock(ws)[f"huggingface:{MXFP4_REPO}@main"]
+    assert entry["resolved"] == old_sha and entry["revision_moved_to"] == "b" * 40
+    # moving on purpose: pin the new commit
+    moved = download.run(StageContext(
+        recipe=load_recipe_and_series(None, [*SIZES, f"weights.mxfp4.revision={'b' * 40}"])[0],
+        series=None, workspace=Workspace(ws), options={"endpoint": hub.url, "which": "mxfp4"},
+        stage="download"))
+    assert moved.status is Status.WARN and not any(p.check == "drift" for p in moved.problems)
+    assert (target / "config.json").read_bytes() == repo.files["config.json"]
+
+
+def test_drift_to_a_commit_the_hub_no_longer_has_is_refused(tmp_path: Path,
+                                                            hub: StandinHub) -> None:
+    assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4")).status is Status.WARN
+    repo = hub.repos[MXFP4_REPO]
+    repo.move_to("c" * 40, _revised(repo.files))
+    repo.history.clear()  # force-pushed away
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url, which="mxfp4"))
     assert again.status is Status.FAILED
     (drift,) = [p for p in again.problems if p.check == "drift"]
-    assert drift.message.startswith(f"mxfp4: {MXFP4_REPO}@main now resolves to {'b' * 40}, "
-                                    f"locked at {'0123456789abcdef' * 2}")
-    assert f"--set weights.mxfp4.revision={hf['resolved']}" in drift.fix
-    assert _lock(tmp_path)[f"huggingface:{MXFP4_REPO}@main"]["resolved"] == hf["resolved"]
+    assert "the locked commit cannot be listed any more" in drift.message
+    assert drift.fix.startswith(f"To move on purpose, pin the new commit (--set "
+                                f"weights.mxfp4.revision={'c' * 40})")
+
+
+def test_drift_on_modelscope_is_refused_having_no_commit_to_fetch(tmp_path: Path,
+                                                                  hub: StandinHub) -> None:
+    assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8")).status is Status.WARN
+    repo = hub.repos[W8A8_REPO]
+    repo.move_to("d" * 40, _revised(repo.files))
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8"))
+    assert again.status is Status.FAILED
+    (drift,) = [p for p in again.problems if p.check == "drift"]
+    assert drift.message.startswith(f"w8a8: {W8A8_REPO}@master now resolves to a listing with "
+                                    "digest ")
+    assert "ModelScope cannot fetch the locked state: its listing names no commit" in \
+        drift.message
+    assert f"delete the entry 'modelscope:{W8A8_REPO}@master' from {tmp_path}" in drift.fix
+    assert (weights(make_ctx(tmp_path), "w8a8") / "config.json").read_bytes() != \
+        repo.files["config.json"]  # nothing of the moved branch was fetched
 
 
 def test_a_w8a8_set_of_another_base_is_refused_before_conversion(tmp_path: Path,

@@ -232,3 +232,20 @@ def test_progress_reads_bytes_from_git_output() -> None:
     _progress_reader(task, received)(line)
     assert received[0] == int(24.95 * 1024**2)
     assert task.completed == received[0]
+
+
+def test_an_unusable_cache_names_dsv4_cache_as_the_fix_not_the_network(
+        tmp_path: Path, upstreams: Upstreams, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 21: the fix column says what fixes it; a cache under a file is no network fault."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    monkeypatch.setenv("DSV4_CACHE", str(blocker / "cache"))
+    project = write_project(tmp_path / "p", upstreams, upstreams.good)
+    code, doc = run_cli(project.cli(tmp_path / "ws") + ["fetch"], capsys)
+    assert code == 1, doc
+    first = doc["data"]["problems"][0]
+    assert "cannot create the git cache" in first["message"]
+    assert first["fix"].startswith(f"set DSV4_CACHE to a writable directory (the cache is "
+                                   f"{blocker / 'cache'})")
+    assert "network" not in first["fix"] and "unreachable" not in doc["data"]["summary"]

@@ -156,3 +156,17 @@ def test_compiled_repack_gives_the_same_bytes_on_aarch64(tmp_path: Path) -> None
     want = np.empty(scale.size * 17, np.uint8)
     mxfp4.Repacker(native=False).repack_into(weight, scale, want)
     assert ran.stdout == want.tobytes()
+
+
+def test_an_unusable_kernel_cache_falls_back_to_numpy_naming_dsv4_cache(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 21: the cache was reported as 'check the GGUF directory is writable' by convert."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    monkeypatch.setenv("DSV4_CACHE", str(blocker / "cache"))
+    monkeypatch.delenv(mxfp4.KERNEL_ENV, raising=False)
+    fn, status = mxfp4._load_kernel()
+    assert fn is None
+    assert status.startswith(f"numpy (the kernel cache {blocker / 'cache' / 'kernels'} is not "
+                             "writable")
+    assert "set DSV4_CACHE to a writable directory" in status

@@ -16,6 +16,7 @@ from dsv4_offload.serving.cann import cann_scripts, capture_script_env
 from dsv4_offload.serving.plan import build_plan
 from dsv4_offload.serving.rules import (
     chunked_prefill,
+    cpu_plan,
     cpu_threads,
     nsa_compressor_mode,
     pick_device,
@@ -105,9 +106,53 @@ def test_threadpool_is_numa_nodes_and_cpuinfer_is_capped(numa, cores, pools, thr
     assert cpu_threads(serve, tuple(range(numa)), cores) == (pools, threads)
 
 
-def test_too_few_cores_is_a_one_line_error():
-    with pytest.raises(InputError, match="reserved_cores"):
-        cpu_threads(load_recipe().serve, tuple(range(8)), 8)
+def test_a_host_too_small_for_the_reserve_is_a_warning_with_its_consequence():
+    """issue 21: a host fact never exits 2; 8 CPUs on 8 nodes leave nothing after the reserve,
+    so one thread per pool, said with its cost and the --set that accepts it."""
+    serve = load_recipe().serve
+    cpus = cpu_plan(serve, tuple(range(8)), 8)
+    assert (cpus.pools, cpus.threads) == (8, 8)
+    assert cpus.warning is not None and "keeps 0 core(s) free" in cpus.warning
+    assert "slower decode" in cpus.warning and "--set serve.reserved_cores=0" in cpus.warning
+    accepted = serve.model_copy(update={"reserved_cores": 0})
+    assert cpu_plan(accepted, tuple(range(8)), 8).warning is None
+
+
+def test_fewer_cpus_than_pools_fails_with_exit_1_not_a_usage_error():
+    with pytest.raises(Dsv4Error, match="KT_THREADPOOL_COUNT=4") as err:
+        cpu_plan(load_recipe().serve, tuple(range(8)), 4)
+    assert not isinstance(err.value, InputError) and err.value.exit_code == 1
+    assert cpu_plan(load_recipe().serve, tuple(range(8)), 4, pools=4).threads == 4
+
+
+def _fixture_host(name: str) -> HostFacts:
+    root = FIXTURES / name
+    return probe_host(root=root, npu_smi=["cat", str(root / "npu-smi-info.txt")], env={})
+
+
+def test_host_facts_of_a_fixture_become_plan_warnings(ws: Workspace):
+    """The 8-NUMA Kunpeng-920 fixture, squeezed: the plan is made, and says what it costs."""
+    import dataclasses
+
+    facts = _fixture_host("kunpeng920-910b")
+    assert len(facts.numa_nodes) == 8
+    small = build_plan(load_recipe(), dataclasses.replace(facts, cores=10), ws, base_env={})
+    assert small.derived["threadpool_count"] == 8 and small.derived["cpuinfer"] == 8
+    (said,) = [w for w in small.warnings if "CPU-infer thread per node" in w]
+    assert said.startswith("host has 10 CPUs and 8 NUMA node(s)")
+    holes = build_plan(load_recipe(), dataclasses.replace(facts, numa_nodes=(0, 2, 4, 6)), ws,
+                       base_env={})
+    assert any("NUMA node ids [0, 2, 4, 6] are not 0..3" in w for w in holes.warnings)
+    hidden = build_plan(load_recipe(), dataclasses.replace(facts, numa_nodes=()), ws,
+                        base_env={})
+    assert hidden.derived["threadpool_count"] == 1
+    assert any(w.startswith("NUMA is not visible") for w in hidden.warnings)
+    with pytest.raises(Dsv4Error) as err:
+        build_plan(load_recipe(), dataclasses.replace(facts, cores=4), ws, base_env={})
+    assert err.value.exit_code == 1
+    # the A3's single node: nothing to say
+    a3 = build_plan(load_recipe(), _fixture_host("a3-1numa"), ws, base_env={})
+    assert not any("NUMA" in w or "CPU-infer" in w for w in a3.warnings)
 
 
 @pytest.mark.parametrize(("numa", "cores"), [(8, 192), (4, 96), (1, 40)])
@@ -196,8 +241,9 @@ def test_device_choice_option_env_and_idlest():
     assert pick_device(cards, None, None)[0] == "1"
     assert pick_device(cards, 3, None) == ("3", "from --device")
     assert pick_device(cards, None, "5")[0] == "5"
-    with pytest.raises(InputError, match="health 'Alarm'"):
+    with pytest.raises(Dsv4Error, match="health 'Alarm'") as err:  # a host fact: exit 1
         pick_device(cards, 2, None)
+    assert not isinstance(err.value, InputError)
     with pytest.raises(InputError, match="lists devices"):
         pick_device(cards, 9, None)
     # A3: ASCEND_RT_VISIBLE_DEVICES takes the die's physical id

@@ -226,3 +226,18 @@ def test_a_declared_prompt_longer_than_the_swa_pool_is_a_warning_with_the_fix(tm
         assert "serve.kt_num_gpu_experts" in warning.message
     finally:
         sv.stop_recorded(ctx.workspace.serve_record, 3)
+
+
+def test_no_interpreter_for_the_server_is_a_host_failure_not_a_usage_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 21: what the host has installed fails serve with exit 1, never 2."""
+    from dsv4_offload.core.errors import Dsv4Error, InputError
+
+    monkeypatch.delenv("PYTHON_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no python3.11/python3 to probe
+    ctx = context(make_workspace(tmp_path / "ws"), [], "serve")
+    with pytest.raises(Dsv4Error, match="no python interpreter imports") as err:
+        serve._python(ctx, True)
+    assert not isinstance(err.value, InputError) and err.value.exit_code == 1
+    python, origin, note = serve._python(ctx, False)  # --print: shown, with the reason
+    assert origin == "recipe" and "no python interpreter imports" in note

@@ -172,7 +172,8 @@ def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_pa
     verified = verify_gguf.run(make_ctx(ws, sizes(mxfp4, w8a8), "verify-gguf"))
     assert verified.ok, verified.problems
     assert verified.data["prechecked"] == list(range(DIMS.layers))
-    assert verified.data["levels"] == {"1": "ok", "2": "recorded", "3": "ok"}
+    # level 4 needs a kt-kernel build: none here
+    assert verified.data["levels"] == {"1": "ok", "2": "recorded", "3": "ok", "4": "skipped"}
     assert verified.data["digests"] == {name: c["sha256"] for name, c in checks.items()}
     # a rerun converts nothing
     again = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))

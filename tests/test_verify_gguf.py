@@ -72,11 +72,12 @@ def test_good_files_pass_all_levels_and_get_a_manifest(workspace: Path, checkpoi
     assert "L1 ok, L2 recorded, L3 ok" in first.out  # no published digests for these dims
     own = parse_manifest((workspace / "gguf" / OWN_MANIFEST).read_text(), OWN_MANIFEST)
     assert sorted(own) == [FILE.format(i) for i in range(3)]
-    again = run_cli("-w", str(workspace), "--json", "verify-gguf", "--source", str(checkpoint))
+    again = run_cli("-w", str(workspace), "--json", "verify-gguf", "--source", str(checkpoint),
+                    "--no-kernel")  # level 4 (kt-kernel): tests/test_layercheck.py
     assert again.code == 0, again
     doc = again.json()
     assert doc["status"] == "ok" and doc["data"]["data"]["levels"] == {"1": "ok", "2": "ok",
-                                                                       "3": "ok"}
+                                                                       "3": "ok", "4": "off"}
     assert doc["data"]["data"]["deep_layers"] == [1]  # one layer by default: the middle one
     # the published-style manifest agrees with ours
     with_manifest = verify(workspace, checkpoint, "--manifest",

@@ -32,14 +32,14 @@ import re
 import stat
 import subprocess
 import sys
-from pathlib import Path
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error
 from dsv4_offload.core.runner import capture
-from dsv4_offload.core.clock import now_iso
 from dsv4_offload.workspace.store import atomic_write_bytes
 
 if TYPE_CHECKING:

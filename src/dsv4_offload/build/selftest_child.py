@@ -113,7 +113,11 @@ def forward_low_level(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
     for role in ("gate", "up", "down"):
         kind, offset, dims = tensors[f"blk.{layer}.ffn_{role}_exps.weight"]
         n_bytes = dims[0] // 32 * 17 * dims[1] * dims[2]  # MXFP4: 17-byte blocks of 32
-        weights[role] = np.ascontiguousarray(mapped[offset:offset + n_bytes])
+        # the mapped file itself, no copy: with one subpool kt-kernel aliases the weights and
+        # only reads them (kt-kernel/operators/llamafile/moe.hpp:393, "Single-NUMA fast
+        # path", d7b5b49 + main_repo/0002), so a real 3.4 GB layer loads at once and only
+        # the routed experts' pages are read
+        weights[role] = mapped[offset:offset + n_bytes]
         types[role] = kind
     emit("gguf", types=types)
     pool = kt.WorkerPoolConfig()

@@ -60,6 +60,9 @@ def verify_gguf(
     layers: str | None = typer.Option(None, "--layers", metavar="SPEC", help=_LAYERS_HELP),
     jobs: int | None = typer.Option(None, "--jobs", "-j", min=1, metavar="N",
                                     help="Files hashed in parallel (default: from the cores)."),
+    kernel: bool = typer.Option(
+        True, "--kernel/--no-kernel",
+        help="Level 4: run one layer through the built kt-kernel (default: on)."),
 ) -> None:
     """Prove the layer files: sizes and structure, digests, bit-exact against the source.
 
@@ -69,8 +72,11 @@ def verify_gguf(
     2. Level 2: sha256 of every file (read once, in parallel) against --manifest, else
        the recipe's published digests, else our own earlier manifest.
     3. Level 3: --deep N layers compared expert by expert with the native source.
+    4. Level 4: one layer (recipe selftest.real_layer.layer) through the built kt-kernel
+       against a numpy reference from the source, cosine >= 0.9999 (guide appendix D).
     On success the digests go to gguf-sha256.txt beside the files. Exit 1 on a difference,
     naming the layer, tensor, expert and row.
     """
     kit.run_stage(ctx, "verify-gguf", {"deep": deep, "manifest": manifest, "source": source,
-                                          "gguf_dir": gguf_dir, "layers": layers, "jobs": jobs})
+                                          "gguf_dir": gguf_dir, "layers": layers, "jobs": jobs,
+                                          "kernel": kernel})

@@ -656,6 +656,43 @@ class SelftestEmulator(Strict):
         "absolute; kt-kernel's python dir comes first by itself")
 
 
+class RealLayer(Strict):
+    """One converted layer through kt-kernel against its source (the guide's appendix D).
+
+    verify-gguf's level 4 runs it on a layer of the conversion; with ``rehearse`` the
+    selftest stage runs it on a synthetic checkpoint of the real layout, converted by this
+    tool (the rehearsals, which download nothing). The tokens are routed to ``experts``
+    experts spread over the layer (first and last included), so a real 256-expert layer
+    takes seconds: kt-kernel maps the file and reads only the routed experts' pages.
+    """
+
+    enabled: bool = Field(True, description="verify-gguf level 4 runs (false: skipped, said so)")
+    layer: int = Field(16, ge=0, description="the layer to run (appendix D runs layer 16); "
+                       "when it is not among the verified layers, the middle one of them")
+    experts: int = Field(8, gt=0, description="distinct experts the tokens are routed to")
+    tokens: list[int] = Field([4, 16], min_length=1,
+                              description="one forward per entry (<10 forward_one, else many)")
+    # 0.9999: guide appendix D (dsv4_flash_single_card_inference_guide.md:567 at 1a7fbd34)
+    min_cosine: float = Field(0.9999, gt=0, le=1, description="cosine against numpy, per run")
+    # Q8_0 activations give ~1-1.5 % (ktkernel-x86-notes §5); the delivery's own check allows
+    # 3 % of max |error| / max |ref| (cpu_moe_reference_check_mxfp4.py:216, :287 at 1a7fbd34)
+    max_rel_l2: float = Field(0.03, gt=0, description="rel-L2 against numpy, per run")
+    timeout_s: float = Field(300, gt=0, description="per forward, import and load included")
+    threads: int = Field(2, gt=0, description="kt-kernel worker threads")
+    seed: int = Field(1, ge=0, description="seed of the tokens and routing")
+    rehearse: bool = Field(False, description="the selftest stage also runs it on a synthetic "
+                           "converted layer of the real layout (for recipes without weights)")
+    synthetic_dims: Literal["conversion", "selftest"] = Field(
+        "conversion", description="dims of that synthetic layer: the conversion's real ones "
+        "(256 x 4096 x 2048: ~3.2 GB written twice, ~20 s) or the selftest's small ones")
+
+    @model_validator(mode="after")
+    def _tokens(self) -> RealLayer:
+        if any(t <= 0 for t in self.tokens):
+            raise ValueError("tokens must be positive counts, e.g. [4, 16]")
+        return self
+
+
 class Selftest(Strict):
     """A tiny synthetic MXFP4 MoE layer through kt-kernel against a numpy reference."""
 
@@ -676,6 +713,9 @@ class Selftest(Strict):
     module_dir: RelPath | None = Field(
         None, description="where kt_kernel_ext*.so is, relative to the workspace (default: "
         "the kt-kernel build step's workdir + /python, where an in-place build puts it)")
+    real_layer: RealLayer = Field(
+        default_factory=RealLayer, description="a converted layer through kt-kernel "
+        "(verify-gguf level 4; guide appendix D)")
 
     @model_validator(mode="after")
     def _shapes(self) -> Selftest:

@@ -34,13 +34,14 @@ from dsv4_offload.serving.rules import (
     WORKSPACE,
     chunked_prefill,
     connect_url,
-    cpu_threads,
+    cpu_plan,
     dram_advice,
     env_number,
     is_loopback,
     missing_layer_files,
     missing_op_files,
     nsa_compressor_mode,
+    numa_warning,
     op_dir,
     pick_device,
     read_api_key,
@@ -175,8 +176,11 @@ def _cpu_pools(d: _Draft) -> tuple[int, int]:
             f"node(s) and kt-kernel binds subpool i to node i (\"NUMA node N not found\" "
             f"otherwise, launcher L127-129); export a value from 1 to {nodes} or unset it"
         )
-    pools, threads = cpu_threads(d.serve, host.numa_nodes, host.cores,
-                                 int(env_pools or 0) or None)
+    cpus = cpu_plan(d.serve, host.numa_nodes, host.cores, int(env_pools or 0) or None)
+    pools, threads = cpus.pools, cpus.threads
+    # host facts: warnings with their consequence (doctor's NUMA row says the same)
+    d.warnings += [w for w in (cpus.warning,
+                               None if env_pools == 1 else numa_warning(host.numa_nodes)) if w]
     d.origins["--kt-threadpool-count"] = (d.from_env("KT_THREADPOOL_COUNT") if env_pools else
                                           f"{HOST} ({nodes} NUMA node(s))")
     d.origins["--kt-cpuinfer"] = f"{HOST} ({pools} pool(s), {host.cores} cores)"

@@ -12,11 +12,12 @@ build_plan (serving.plan) applies them.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.build import bringup
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.host import choose_npu
 from dsv4_offload.core.inputs import read_user_text
 
@@ -71,25 +72,67 @@ RECIPE, SET, ENVIRONMENT, HOST, WORKSPACE, OPTION, SCRIPTS, RULE = (
     "recipe", "--set", "environment", "host", "workspace", "option", "CANN set_env", "rule")
 
 
-def cpu_threads(serve: Serve, numa_nodes: Sequence[int], cores: int,
-                pools: int | None = None) -> tuple[int, int]:
-    """(threadpool count, CPU-infer threads) for this host.
+@dataclass(frozen=True)
+class CpuPlan:
+    """kt-kernel's CPU pools for this host, and what a host fact costs (a warning)."""
+
+    pools: int
+    threads: int
+    warning: str | None = None
+
+
+def cpu_plan(serve: Serve, numa_nodes: Sequence[int], cores: int,
+             pools: int | None = None) -> CpuPlan:
+    """The threadpool count and CPU-infer threads for this host: doctor's NUMA row and the
+    serve plan both take them from here.
 
     One subpool per NUMA node: kt-kernel binds subpool i to node i, so more than the nodes
     fails with "NUMA node N not found" (L127-131). Threads: the launcher's 32 (L126, sized for
     the single-NUMA A3), raised to 16 per node on multi-NUMA hosts (L123-124; guide appendix
     E: 8 pools / 128 threads on the 8-NUMA Kunpeng-920), and never every core (L124-125).
+    A host too small for the recipe's reserve gets one thread per pool and a warning; a host
+    with fewer CPUs than pools cannot run them (Dsv4Error, exit 1: not a usage error).
     """
     pools = pools or max(1, len(numa_nodes))
+    if cores < pools:
+        raise Dsv4Error(
+            f"host has {cores} CPU(s) for {pools} kt-kernel subpool(s) (one per NUMA node): not "
+            "one CPU-infer thread each, so kt-kernel cannot run them; export "
+            f"KT_THREADPOOL_COUNT={max(1, cores)} (fewer pools, each node's memory bandwidth "
+            "unused) or serve on a host with more CPUs")
     cap = cores - serve.reserved_cores
     threads = min(max(serve.cpuinfer_default, serve.threads_per_numa * pools), cap)
     threads -= threads % pools  # equal threads per subpool
-    if threads < pools:
-        raise InputError(
-            f"host has {cores} cores and {pools} NUMA nodes: too few for one CPU-infer thread per "
-            f"node after serve.reserved_cores={serve.reserved_cores}; lower serve.reserved_cores"
-        )
-    return pools, threads
+    if threads >= pools:
+        return CpuPlan(pools, threads)
+    return CpuPlan(pools, pools, (
+        f"host has {cores} CPUs and {pools} NUMA node(s): serve.reserved_cores="
+        f"{serve.reserved_cores} leaves fewer than one CPU-infer thread per node, so serve "
+        f"runs one per node ({pools}) and keeps {cores - pools} core(s) free instead: the "
+        "server's own threads compete with kt-kernel's (slower decode, stalls possible); "
+        f"to accept that, `--set serve.reserved_cores={cores - pools}`; or serve on a host "
+        "with more CPUs"))
+
+
+def cpu_threads(serve: Serve, numa_nodes: Sequence[int], cores: int,
+                pools: int | None = None) -> tuple[int, int]:
+    """(threadpool count, CPU-infer threads) of :func:`cpu_plan`."""
+    plan = cpu_plan(serve, numa_nodes, cores, pools)
+    return plan.pools, plan.threads
+
+
+def numa_warning(numa_nodes: Sequence[int]) -> str | None:
+    """What the host's NUMA layout costs the plan, if anything (doctor's row says the same)."""
+    if not numa_nodes:
+        return ("NUMA is not visible (no /sys/devices/system/node/node*: a container without "
+                "/sys?): serve runs one threadpool, one node's memory bandwidth for the CPU "
+                "MoE; bind-mount /sys or run on the host to use every node")
+    if list(numa_nodes) != list(range(len(numa_nodes))):
+        return (f"NUMA node ids {list(numa_nodes)} are not 0..{len(numa_nodes) - 1}: kt-kernel "
+                "numbers its threadpools 0..N-1 and stops with `NUMA node N not found` at "
+                "start; check `numactl -H` and the BIOS NUMA settings, or export "
+                "KT_THREADPOOL_COUNT=1")
+    return None
 
 
 def dram_need(recipe: Recipe, pools: int) -> tuple[float, str]:
@@ -221,8 +264,8 @@ def pick_device(npus: Sequence[NpuInfo], requested: int | None, inherited: str |
             raise InputError(
                 f"--device {requested}: npu-smi lists devices {sorted(known)}; pick one of them"
             )
-        if npus and known[requested] not in healthy:
-            raise InputError(
+        if npus and known[requested] not in healthy:  # a fact of the host: exit 1, not 2
+            raise Dsv4Error(
                 f"--device {requested}: npu-smi reports health {known[requested].health!r}; "
                 "pick a card whose health is OK"
             )

@@ -207,8 +207,10 @@ def _ensure_bare(repo: Path) -> Path:
         try:
             git.Repo.init(repo, bare=True)
         except OSError as exc:
-            raise InputError(f"{repo}: cannot create the git cache ({exc.strerror}); set "
-                             f"{CACHE_ENV} to a writable directory") from None
+            # the cache, not the network: its fix is where the cache is ($DSV4_CACHE)
+            raise InputError(f"{repo}: cannot create the git cache ({exc.strerror})",
+                             hint=f"set {CACHE_ENV} to a writable directory (the cache is "
+                             f"{cache_root()})") from None
     return repo
 
 

@@ -180,15 +180,13 @@ def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
     if "serve" in recipe.not_applicable:
         observed = f"{len(nodes)} node(s)" if nodes else "not visible"
         return Check("numa", SKIP, observed, "only serving splits threads per NUMA node")
-    from dsv4_offload.core.errors import InputError
-    from dsv4_offload.serving.rules import cpu_threads
+    from dsv4_offload.serving.rules import cpu_plan, numa_warning
 
     serve = recipe.serve
     required = "one kt-kernel subpool per NUMA node, one CPU-infer thread per pool or more"
     if not nodes:
         return Check("numa", WARN, "no /sys/devices/system/node/node*", required,
-                     "NUMA is not visible (container without /sys?): serve will use one "
-                     "threadpool; bind-mount /sys or run on the host to use every node")
+                     numa_warning(nodes) or "")
     sizes = {len(parse_cpulist(c)) for c in facts.numa_cpulists.values() if c}
     observed = (f"{len(nodes)} nodes ({nodes[0]}-{nodes[-1]})" if len(nodes) > 1
                 else f"1 node ({nodes[0]})")
@@ -196,20 +194,17 @@ def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
         observed += f", {sizes.pop()} CPUs each"
     try:
         # the very function the serve plan sizes --kt-threadpool-count/--kt-cpuinfer with
-        pools, threads = cpu_threads(serve, nodes, facts.cores)
-    except InputError as exc:
-        # a fact of this host, not a usage error: serve cannot start until the recipe fits it
-        room = max(0, facts.cores - len(nodes))
-        return Check("numa", WARN, f"{observed}; {facts.cores} CPUs", required,
-                     f"serve would stop here ({exc.message}); e.g. `dsv4-offload --set "
-                     f"serve.reserved_cores={room} serve`")
-    if list(nodes) != list(range(len(nodes))):
-        return Check("numa", WARN, observed + " (ids not contiguous)", required,
-                     "kt-kernel numbers its threadpools 0..N-1: with holes in the node ids it "
-                     "stops with `NUMA node N not found`; check `numactl -H` and the BIOS "
-                     "NUMA settings")
-    return Check("numa", OK, observed + f"; serve: {pools} pool(s) x {threads // pools} "
-                 f"threads ({threads} of {facts.cores} CPUs)", required)
+        cpus = cpu_plan(serve, nodes, facts.cores)
+    except Dsv4Error as exc:  # fewer CPUs than pools: serve fails (exit 1) as planned
+        return Check("numa", FAIL, f"{observed}; {facts.cores} CPUs", required, exc.message)
+    holes = numa_warning(nodes)
+    if holes:
+        return Check("numa", WARN, observed + " (ids not contiguous)", required, holes)
+    if cpus.warning:  # a fact of this host: serve goes on, with this consequence
+        return Check("numa", WARN, f"{observed}; {facts.cores} CPUs", required, cpus.warning)
+    return Check("numa", OK, observed + f"; serve: {cpus.pools} pool(s) x "
+                 f"{cpus.threads // cpus.pools} threads ({cpus.threads} of {facts.cores} CPUs)",
+                 required)
 
 
 def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:

@@ -21,6 +21,7 @@ noted in the record, and fetched again on the next run (``--repair`` re-hashes e
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import stat
@@ -64,6 +65,7 @@ class SetReport:
     missing: list[str] = field(default_factory=list)
     extra: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
+    moved_to: str | None = None  # drift: the commit the revision moved to (not fetched)
 
     @property
     def ok(self) -> bool:
@@ -213,6 +215,8 @@ def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
             "listing_digest": listing.digest(),
             "identity": wlock.identity(listing.resolved, listing.digest()),
             "locked": old.get("locked") or now_iso(),
+            # drift: where the revision points now, while the locked commit was fetched
+            **({"revision_moved_to": r.moved_to} if r.moved_to else {}),
             "base_model": wlock.base_model(ctx.workspace.weights_dir(ctx.recipe, r.name),
                                            spec.repo_id, is_source=r.name == "mxfp4")}
     if any(r.ok for r in reports):
@@ -258,6 +262,7 @@ def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
         "bad": r.bad,
         "missing": r.missing,
         "extra_local_files": r.extra,
+        "revision_moved_to": r.moved_to,
     }
 
 
@@ -287,6 +292,56 @@ def _outputs(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
 
 
 # --- one weight set ------------------------------------------------------------------------
+
+
+def _locked_listing(ctx: StageContext, name: str, listing: hubs.HubListing,
+                    locked: dict[str, Any], was: str, endpoint: str, report: SetReport,
+                    log: DownloadLog) -> hubs.HubListing | None:
+    """Drift: the revision now resolves to another commit than the lock holds.
+
+    The Hub serves any commit by its sha (``revision=<sha>``): the locked commit is listed
+    and fetched instead, with a warning. ModelScope's client would take a commit sha
+    (modelscope_hub/api.py:1755 and :1520, modelscope 1.40.2: "Branch, tag or commit SHA"),
+    but names no commit for a branch (its listing keeps path, size, blob id, sha256, type,
+    date and lfs: api.py:1779-1787), so the lock holds a listing digest there, not a commit
+    to ask for: refused, as before.
+    """
+    spec = getattr(ctx.recipe.weights, name)
+    lock_file = wlock.lock_path(ctx.workspace.root)
+    now = listing.resolved or f"a listing with digest {listing.digest()}"
+    since = locked.get("locked", "?")
+    what = f"{name}: {spec.repo_id}@{spec.revision} now resolves to {now}, locked at {was} " \
+        f"on {since}"
+    entry = wlock.key(spec.hub, spec.repo_id, spec.revision)
+    move = (f"to move on purpose, pin the new commit (--set weights.{name}.revision="
+            f"{listing.resolved}) and download both sets again, so that they stay one model"
+            if listing.resolved else
+            f"to move on purpose, delete the entry '{entry}' from {lock_file} and download "
+            "both sets again, so that they stay one model")
+    sha = locked.get("resolved")
+    if spec.hub == "huggingface" and isinstance(sha, str) and sha:
+        try:
+            pinned = hubs.list_files(spec.hub, spec.repo_id, sha, spec.allow_patterns, endpoint)
+        except InputError as exc:
+            report.problems.append(Problem(
+                "error", f"{what}, and the locked commit cannot be listed any more ({exc})",
+                fix=move[0].upper() + move[1:], check="drift"))
+            return None
+        log.write(f"{name}: drift: {spec.revision} moved to {now}; fetching the locked {sha}")
+        report.moved_to = listing.resolved
+        report.problems.append(Problem(
+            "warning", f"{what}: the branch moved; fetching the locked commit {sha} instead "
+            "(a W8A8 set of one base with MXFP4 experts of another serves garbage)",
+            fix=move[0].upper() + move[1:], check="drift"))
+        # the recipe's revision stays the lock's key; the commit is what is fetched
+        return dataclasses.replace(pinned, revision=spec.revision)
+    report.problems.append(Problem(
+        "error", f"{what} (drift: the hub moved; a W8A8 set of one base with MXFP4 experts of "
+        "another serves garbage); ModelScope cannot fetch the locked state: its listing names "
+        "no commit, so the lock holds a listing digest, not a commit to ask for",
+        fix=f"pin a tag or commit of the old weights if the repo has one (weights.{name}."
+        f"revision), or {move}", check="drift"))
+    return None
 
 
 def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
@@ -321,18 +376,12 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         locked = wlock.read_lock(wlock.lock_path(ctx.workspace.root)).get(
             wlock.key(spec.hub, spec.repo_id, spec.revision))
         was = wlock.drift(locked, wlock.identity(listing.resolved, listing.digest()))
-        if was is not None:
-            report.listing = listing
-            now = listing.resolved or f"a listing with digest {listing.digest()}"
-            report.problems.append(Problem(
-                "error", f"{name}: {spec.repo_id}@{spec.revision} now resolves to {now}, "
-                f"locked at {was} on {locked.get('locked', '?') if locked else '?'} (drift: "
-                "the hub moved; a W8A8 set of one base with MXFP4 experts of another serves "
-                "garbage)", fix=f"keep the locked weights: --set weights.{name}.revision="
-                f"{locked.get('resolved') or was if locked else was}; or move on purpose: "
-                f"pin the new one the same way and download both sets again (the lock is "
-                f"{wlock.lock_path(ctx.workspace.root)})", check="drift"))
-            return report
+        if was is not None and locked is not None:
+            pinned = _locked_listing(ctx, name, listing, locked, was, endpoint, report, log)
+            if pinned is None:
+                report.listing = listing
+                return report
+            listing = pinned
     report.listing = listing
     if not offline and abs(listing.total_bytes - spec.expected_bytes) > \
             SIZE_TOLERANCE * spec.expected_bytes:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.core.errors import Dsv4Error
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe.lock import apply_source_locks
 from dsv4_offload.sources import git as gitsrc
@@ -58,9 +58,12 @@ def run(ctx: StageContext) -> StageResult:
                     outcome = gitsrc.fetch_commit(source, log=log, mirrors=mirrors, task=task)
             except Dsv4Error as exc:
                 row["cache"] = "failed"
+                # an InputError (the git cache, a mirror URL, a ref) is no network fault
+                row["unreachable"] = not isinstance(exc, InputError)
+                fix = exc.hint or (f"check the network, or add --mirror {source.name}=URL"
+                                   if row["unreachable"] else "")
                 problems.append(Problem("error", exc.message, check=source.name,
-                                        fix=f"check the network, or add --mirror "
-                                            f"{source.name}=URL; see the log: {log}"))
+                                        fix=f"{fix}; see the log: {log}".lstrip("; ")))
                 blocked_paths.append(path)
                 overall.advance()
                 continue
@@ -77,7 +80,8 @@ def run(ctx: StageContext) -> StageResult:
     placed = sum(1 for r in rows if r["name"] in outputs)
     fetched = sum(1 for r in rows if r.get("cache") in ("sha", "ref", "heads"))
     cached = sum(1 for r in rows if r.get("cache") == "cached")
-    unreachable = sum(1 for r in rows if r.get("cache") == "failed")
+    unreachable = sum(1 for r in rows if r.get("cache") == "failed"
+                      and r.get("unreachable", True))
     summary = (f"{placed}/{len(rows)} sources at their pinned commits; {fetched} fetched "
                f"({_human(total_bytes)}), {cached} from the cache"
                + (f", {unreachable} unreachable" if unreachable else ""))

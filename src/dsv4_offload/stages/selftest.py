@@ -16,15 +16,20 @@
 from __future__ import annotations
 
 import hashlib
-import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.build import bringup
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.build.moerun import CHILD as CHILD
+from dsv4_offload.build.moerun import (
+    built_features,
+    extension_files,
+    module_fingerprint,
+    run_forward,
+)
+from dsv4_offload.build.moerun import child_argv as child_argv
+from dsv4_offload.build.moerun import module_dir as module_dir
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.workspace.context import StageContext
 
@@ -34,82 +39,20 @@ if TYPE_CHECKING:
     from dsv4_offload.build.moecheck import Verdict
     from dsv4_offload.recipe import Recipe, Selftest
 
-CHILD = Path(__file__).resolve().parent.parent / "build" / "selftest_child.py"
 LAYER = 0
 # E8M0 bytes of the synthetic layer: scales 2^-8 .. 2^-3 keep the MoE's sums near 1, far
 # from bf16 overflow and from the E8M0 0/1 values kt-kernel flushes to zero (fast-math)
 EXPONENTS = (119, 125)
-KT_PYTHON_DIR = "python"  # kt-kernel/python: kt_kernel_ext*.so of an in-place build
-
-
-# --- where things are -----------------------------------------------------------------------
 
 
 def selftest_dir(ctx: StageContext) -> Path:
     return ctx.workspace.root / "selftest"
 
 
-def module_dir(ctx: StageContext) -> Path:
-    """Where ``kt_kernel_ext*.so`` is: ``selftest.module_dir``, else kt-kernel's python dir
-    (the in-place build's)."""
-    from dsv4_offload.build.bringup import KT_KERNEL_STEP
-
-    if ctx.recipe.selftest.module_dir is not None:
-        return ctx.workspace.root / ctx.recipe.selftest.module_dir
-    step = next((s for s in ctx.recipe.build.steps if s.name == KT_KERNEL_STEP), None)
-    if step is None:
-        raise InputError(f"recipe '{ctx.recipe.name}' has no build step '{KT_KERNEL_STEP}'; "
-                         "selftest runs the kt-kernel it builds")
-    return bringup.step_workdir(ctx.workspace, step) / KT_PYTHON_DIR
-
-
-def extension_files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("kt_kernel_ext*") if p.suffix in (".so", ".py"))
-
-
-def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str, str]]:
-    """The child's command line and environment: native build python, or emulated."""
-    from dsv4_offload.build.interpreter import build_python
-
-    test = ctx.recipe.selftest
-    env = dict(os.environ)
-    # the module's dir (`import kt_kernel_ext`), then its parent, where the build links
-    # `kt_kernel -> python` (`from kt_kernel import KTMoEWrapper`)
-    paths = [str(module_dir(ctx)), str(module_dir(ctx).parent)]
-    emu = test.emulator
-    if emu is None:
-        argv = [build_python(ctx), str(CHILD), str(spec_file)]
-    else:
-        sysroot = ctx.workspace.root / emu.sysroot
-        paths += [p if os.path.isabs(p) else str(ctx.workspace.root / p) for p in emu.pythonpath]
-        argv = [emu.command, "-cpu", emu.cpu, "-L", str(sysroot), str(sysroot / emu.python),
-                str(CHILD), str(spec_file)]
-        # a binfmt-registered qemu reads these for any aarch64 program the child starts
-        env["QEMU_CPU"] = emu.cpu
-        env["QEMU_LD_PREFIX"] = str(sysroot)
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return argv, env
-
-
-# --- fingerprint ----------------------------------------------------------------------------
-
-
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """The built extension (size and mtime) and the child script's bytes."""
-    out = {"child": hashlib.sha256(CHILD.read_bytes()).hexdigest()[:16]}
-    try:
-        found = extension_files(module_dir(ctx))
-    except InputError:
-        found = []
-    for path in found:
-        st = path.stat()
-        out[f"module.{path.name}"] = f"{st.st_size}:{st.st_mtime_ns}"
-    if not found:
-        out["module"] = "missing"
-    return out
+    return {"child": hashlib.sha256(CHILD.read_bytes()).hexdigest()[:16],
+            **module_fingerprint(ctx)}
 
 
 # --- the synthetic layer and the reference --------------------------------------------------
@@ -173,61 +116,21 @@ def make_inputs(test: Selftest, tokens: int, seed: int) -> dict[str, np.ndarray]
 # --- one run --------------------------------------------------------------------------------
 
 
-def built_features(ctx: StageContext) -> set[str] | None:
-    """The build's ``-march`` extensions: its configure line, else the step's ARM switches."""
-    from dsv4_offload.build.bringup import KT_KERNEL_STEP
-    from dsv4_offload.build.moecheck import march_features
-
-    log = ctx.workspace.log_dir("build") / f"{KT_KERNEL_STEP}.log"
-    if log.is_file():
-        found = march_features(log.read_text(encoding="utf-8", errors="replace"))
-        if found is not None:
-            return found
-    step = next((s for s in ctx.recipe.build.steps if s.name == KT_KERNEL_STEP), None)
-    if step is None:
-        return None
-    text = " ".join([*step.command, *(f"{k}={v}" for k, v in step.env.items())])
-    on = {name.lower() for name in ("SVE", "BF16", "I8MM", "DOTPROD")
-          if f"ARM_{name}=ON" in text or f"ARM_{name}=1" in text}
-    return on or None
-
-
 def run_one(ctx: StageContext, tokens: int, index: int, root: Path, gguf: Path,
             experts: dict[str, np.ndarray], built: set[str] | None) -> Verdict:
-    import numpy as np
-
-    from dsv4_offload.build.moecheck import RunFacts, from_bf16_bits, judge, reference_moe
-    from dsv4_offload.core.runner import run_command
+    from dsv4_offload.build.moecheck import from_bf16_bits, reference_moe
 
     test = ctx.recipe.selftest
-    work = root / f"run-{index}-{tokens}"
-    work.mkdir(parents=True, exist_ok=True)
     arrays = make_inputs(test, tokens, index)
-    files = {}
-    for name, value in arrays.items():
-        files[name] = str(work / f"{name}.npy")
-        np.save(files[name], value)
-    out_file = work / "out.npy"
+    ref = reference_moe(from_bf16_bits(arrays["x"]), arrays["ids"], arrays["weights"],
+                        experts["gate"], experts["up"], experts["down"])
     spec = {"gguf": str(gguf), "layer": LAYER, "experts": test.experts, "top_k": test.top_k,
             "hidden": test.hidden, "intermediate": test.intermediate, "tokens": tokens,
-            "threads": test.threads, "api": test.api, "arrays": files, "out": str(out_file)}
-    spec_file = work / "spec.json"
-    spec_file.write_text(json.dumps(spec, indent=1), encoding="utf-8")
-    argv, env = child_argv(ctx, spec_file)
-    log = ctx.log_dir / "selftest.log"
-    t0 = time.monotonic()
-    result = run_command(argv, log=log, cwd=work, env=env, timeout=test.timeout_s, check=False)
-    seconds = time.monotonic() - t0
-    timed_out = seconds >= test.timeout_s and result.returncode != 0
-    out = None
-    if out_file.is_file():
-        out = from_bf16_bits(np.load(out_file)).reshape(tokens, test.hidden)
-    x = from_bf16_bits(arrays["x"])
-    ref = reference_moe(x, arrays["ids"], arrays["weights"], experts["gate"], experts["up"],
-                        experts["down"])
-    facts = RunFacts(tokens, None if timed_out else result.returncode, result.tail,
-                     test.timeout_s, seconds, out, built)
-    return judge(facts, test.min_cosine, test.max_rel_l2, ref)
+            "threads": test.threads, "api": test.api}
+    return run_forward(ctx, root / f"run-{index}-{tokens}", spec, arrays, ref,
+                       timeout_s=test.timeout_s, min_cosine=test.min_cosine,
+                       max_rel_l2=test.max_rel_l2, built=built,
+                       log=ctx.log_dir / "selftest.log")
 
 
 # --- the stage ------------------------------------------------------------------------------
@@ -276,7 +179,32 @@ def run(ctx: StageContext) -> StageResult:
         return StageResult(Status.FAILED, f"selftest failed: {failed[0].reason}", data=data,
                            problems=problems, log=log)
     figures = "; ".join(v.reason for v in verdicts)
-    outputs = {"runs": [{k: v.as_dict()[k] for k in ("tokens", "regime", "cosine", "rel_l2")}
-                        for v in verdicts]}
+    outputs: dict[str, Any] = {"runs": [
+        {k: v.as_dict()[k] for k in ("tokens", "regime", "cosine", "rel_l2")} for v in verdicts]}
+    if test.real_layer.rehearse or ctx.option("real_layer"):
+        return _real_layer(ctx, data, outputs, f"selftest passed in {seconds:.1f}s: {figures}")
     return StageResult(Status.OK, f"selftest passed in {seconds:.1f}s: {figures}", data=data,
                        outputs=outputs, log=log)
+
+
+def _real_layer(ctx: StageContext, data: dict[str, Any], outputs: dict[str, Any],
+                passed: str) -> StageResult:
+    """The rehearsal of verify-gguf's level 4: a synthetic converted layer of the real layout
+    through kt-kernel (the small layer passed: a kernel that fails it fails this too)."""
+    from dsv4_offload.build.layercheck import rehearse
+
+    check = rehearse(ctx)
+    data["real_layer"] = check.as_dict()
+    dims = check.dims
+    what = (f"synthetic layer {check.layer} of the real layout ({dims['experts']} experts, "
+            f"{dims['hidden']}x{dims['intermediate']}, experts {check.experts} routed)")
+    log = str(ctx.log_dir / "real-layer.log")
+    failed = [v for v in check.verdicts if not v.ok]
+    if failed:
+        problems = [Problem("error", f"{what}: {v.reason}", v.fix, "real-layer") for v in failed]
+        return StageResult(Status.FAILED, f"{passed}; but the {what} failed: "
+                           f"{failed[0].reason}", data=data, problems=problems, log=log)
+    outputs["real_layer"] = [{k: v.as_dict()[k] for k in ("tokens", "cosine", "rel_l2")}
+                             for v in check.verdicts]
+    return StageResult(Status.OK, f"{passed}; {what} in {check.seconds:.1f}s: "
+                       f"{check.figures()}", data=data, outputs=outputs, log=log)

@@ -120,8 +120,10 @@ def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
     try:
         choice = chosen_python(ctx, record=strict)
     except InputError as exc:
+        # only raised with neither --python nor PYTHON_BIN given (both are taken unprobed):
+        # no interpreter of this host imports the server, a host fact: exit 1, not 2
         if strict:
-            raise
+            raise Dsv4Error(exc.message) from None
         return serve.python, "recipe", f"{exc.one_line()} (shown with the recipe's python)"
     return choice.path, f"{choice.source} ({choice.reason})", ""
 

@@ -9,6 +9,9 @@
 3. `--deep N`: N evenly spaced layers compared with the native source, expert by expert:
    codes and scales after the repack, bit for bit (stricter than comparing dequantized
    values, which would let -0 pass for +0).
+4. A layer through kt-kernel (guide appendix D): one verified layer file run by the built
+   kt-kernel against the numpy reference from the source, cosine >= 0.9999
+   (`build/layercheck`; `--no-kernel` or `selftest.real_layer.enabled: false` skip it).
 On success the digests are merged into `gguf-sha256.txt` beside the files.
 
 Layers `convert` already checked as it wrote them (a convert that followed the download:
@@ -113,7 +116,10 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     except FileNotFoundError:
         pass
     digest = hashlib.sha256("\n".join(stats).encode()).hexdigest()[:16]
-    out = {"gguf.files": f"{len(stats)}:{digest}"}
+    from dsv4_offload.build.moerun import module_fingerprint
+
+    # level 4 runs the built kt-kernel: a rebuild makes this stage stale
+    out = {"gguf.files": f"{len(stats)}:{digest}", **module_fingerprint(ctx)}
     if ctx.option("manifest"):
         out["manifest"] = str(ctx.option("manifest"))
     return out
@@ -155,6 +161,12 @@ def run(ctx: StageContext) -> StageResult:
     expected, origin = expected_digests(ctx, names, real_dims, out_dir)
     digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report, prechecked)
     _level3(ctx, layouts, paths, source if has_source else None, jobs, report, prechecked)
+    if not report.failed:
+        from dsv4_offload.build.layercheck import level4
+
+        report.levels["4"], found, kernel = level4(ctx, paths, source if has_source else None)
+        report.problems += found
+        report.data.update(kernel)
     if report.failed:
         return _result(report, f"verification failed ({_levels_text(report)})")
     manifest = write_own_manifest(out_dir, digests)

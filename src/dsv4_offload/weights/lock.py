@@ -4,8 +4,9 @@ Both sets follow moving revisions by default (`main` on the Hub, `master` on Mod
 The first download records, per (hub, repo, revision), the commit it resolved to (the
 Hub's sha; ModelScope names no commit, so its listing digest stands in) and the base model
 its card and config name. A later run that would resolve the same revision differently is
-drift: refused, since a W8A8 set of one base with MXFP4 experts of another serves garbage
-without an error. The two sets' bases are compared before conversion.
+drift (a W8A8 set of one base with MXFP4 experts of another serves garbage without an
+error): the Hub's locked commit is fetched instead, with a warning; ModelScope's is refused,
+having no commit to ask for. The two sets' bases are compared before conversion.
 """
 
 from __future__ import annotations

@@ -88,8 +88,13 @@ def _load_kernel() -> tuple[Callable[..., None] | None, str]:
         compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
         if compiler is None:
             return None, "numpy (no C compiler found)"
-        library.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        try:
+            library.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
+        except OSError as exc:  # the cache, not the GGUF directory: say which
+            return None, (f"numpy (the kernel cache {library.parent} is not writable: "
+                          f"{exc.strerror}; set DSV4_CACHE to a writable directory for the "
+                          "C kernel)")
         os.close(fd)
         try:
             built = capture([compiler, "-O3", "-shared", "-fPIC", "-o", tmp,
