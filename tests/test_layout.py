@@ -23,7 +23,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("dsv4_offload.sources", "dsv4_offload.build", "dsv4_offload.weights",
      "dsv4_offload.serving", "dsv4_offload.acceptance"),
     ("dsv4_offload.stages",),
-    ("dsv4_offload.pipeline",),
+    ("dsv4_offload.pipeline", "dsv4_offload.schedule"),
     ("dsv4_offload.cli", "dsv4_offload.__main__"),
 )
 DOMAIN = LAYERS[3]

@@ -16,12 +16,12 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel
 
-from dsv4_offload.core import procs
+from dsv4_offload.core import events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
@@ -203,6 +203,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
             f"stop before it with `run --to {_previous(name)}`"
         )
     sub = ctx.for_stage(name, options)
+    if events.events_file() is not None:  # a stage process of a pipelined run
+        sub = replace(sub, progress=events.EventProgress(name, sub.progress))
     ws = ctx.workspace
     sweep_leftovers(ws)
     started = now_iso()
@@ -212,15 +214,19 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     ws.write_stage_record(name, {"status": "running", "pid": me.pid,
                                  "pid_start_time": me.start_time, "started": started,
                                  "log": str(sub.log_dir)})
+    events.emit("stage.started", stage=name, log=str(sub.log_dir),
+                options={k: v for k, v in (options or {}).items()
+                         if v and isinstance(v, (bool, int, float, str))})
     try:
         with _groups_noted(ws, name, me):
             result: StageResult = module.run(sub)
     except KeyboardInterrupt as exc:
-        how = interrupt_name(exc)
+        how = interrupt_name(exc) + _orphaned()
         ws.write_stage_record(name, {
-            "status": "interrupted", "signal": how, "started": started, "ended": now_iso(),
-            "seconds": round(time.monotonic() - t0, 3), "error": f"interrupted by {how}",
-            "log": str(sub.log_dir)})
+            "status": "interrupted", "signal": interrupt_name(exc), "started": started,
+            "ended": now_iso(), "seconds": round(time.monotonic() - t0, 3),
+            "error": f"interrupted by {how}", "log": str(sub.log_dir)})
+        events.emit("stage.interrupted", stage=name, signal=interrupt_name(exc))
         raise
     except Dsv4Error as exc:
         _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
@@ -235,6 +241,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result
+    if sub.option("follow"):
+        _await_streams(ws, stage)
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
     fp = fingerprint(sub, stage, ws.read_state())
@@ -248,6 +256,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     if inside:
         record["container"] = inside  # where its processes live (serve stop/status go there)
     ws.write_stage_record(name, record)
+    events.emit("stage.done", stage=name, summary=result.summary, seconds=record["seconds"],
+                result=result.status.value)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
 
@@ -305,12 +315,40 @@ def sweep_leftovers(ws: Any) -> list[int]:
     return sorted(set(stopped))
 
 
+def _await_streams(ws: Any, stage: StageSpec, poll: float = 0.2) -> None:
+    """A stage that followed its streams (convert beside download) records its fingerprint
+    only once they are over: it takes in their final records, so the next run finds it done.
+    A followed stage whose process is gone while its record says running is over too."""
+    while True:
+        records = ws.read_state().get("stages", {})
+        running = [records.get(n) or {} for n in stage.streams]
+        if not any(r.get("status") == "running" and procs.alive(r.get("pid"),
+                                                                r.get("pid_start_time"))
+                   for r in running):
+            return
+        time.sleep(poll)
+
+
 def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
                     ) -> None:
     ws.write_stage_record(name, {
         "status": "failed", "started": started, "ended": now_iso(),
         "seconds": round(time.monotonic() - t0, 3), "error": error, "log": log,
     })
+    events.emit("stage.failed", stage=name, error=error, log=log)
+
+
+# a pipelined run names itself to the stage processes it starts: one whose parent is no
+# longer that run (killed outright: its children got the parent-death signal) says so
+SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
+
+
+def _orphaned() -> str:
+    """' (the run that started it, pid N, was killed)' for a stage process whose run died."""
+    raw = os.environ.get(SCHEDULER_PID_ENV, "")
+    if raw.isdigit() and os.getppid() != int(raw):
+        return f" (the run that started it, pid {raw}, was killed)"
+    return ""
 
 
 def _previous(name: str) -> str:
@@ -380,6 +418,7 @@ def run_pipeline(
     """Run the stages in order, skipping done ones; stop at the first failure."""
     results: list[tuple[str, StageResult]] = []
     skipped: list[str] = []
+    handed = _handed_options()
     for stage in stage_range(start, stop, force):
         # each stage is planned at its turn: one that just ran changes its dependents'
         # fingerprints, and planning all of them up front would fingerprint twice
@@ -398,8 +437,9 @@ def run_pipeline(
             on_stage(stage.name, "run")
         options = dict(ctx.options)
         options.update(stage.run_options)
-        options.update(_handed_options())
-        result = dispatch_stage(ctx, stage.name, options)
+        options.update(handed)
+        # handed options (a scheduler's: follow, jobs) go on into the container too
+        result = dispatch_stage(ctx, stage.name, options, standalone=bool(handed))
         results.append((stage.name, result))
         if not result.ok:
             return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)
@@ -420,15 +460,22 @@ def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
 
 
 def _handed_options() -> dict[str, Any]:
-    """The options of the stand-alone command that handed its stage to this `run` (inside)."""
-    raw = os.environ.get(STAGE_OPTIONS_ENV) if os.environ.get(IN_CONTAINER_ENV) else None
+    """The options handed to this `run` with its one stage: by the stand-alone command that
+    sent its stage into the container, or by the pipelined run that started this stage
+    process (mirrors, device, follow, jobs). Read once and taken out of the environment, so
+    the processes the stage starts do not take them for their own."""
+    raw = os.environ.pop(STAGE_OPTIONS_ENV, None)
     if not raw:
         return {}
     try:
         value = json.loads(raw)
     except ValueError:
-        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}") from None
-    return value if isinstance(value, dict) else {}
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}; it is set by "
+                         "dsv4-offload for its own stage processes: unset it") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not a JSON object: {raw[:80]!r}; it is set "
+                         "by dsv4-offload for its own stage processes: unset it")
+    return value
 
 
 def model_digest(value: BaseModel) -> str:
