@@ -94,8 +94,8 @@ def plain_line(doc: dict[str, Any], flight: InFlight) -> str | None:
         return f"[bold]{name}[/bold]: {styled('interrupted')} ({how})"
     if kind == "stage.skipped":
         reason = str(doc.get("reason", ""))
-        word = "not applicable to this recipe" if reason.startswith("not applicable") else \
-            f"skip ({reason})"
+        word = ("not applicable to this recipe" if reason.startswith("not applicable") else
+                "skip (done)" if reason == "done, inputs unchanged" else f"skip ({reason})")
         return f"[bold]{name}[/bold]: {escape(word)}"
     if kind == "stage.blocked":
         return f"[bold]{name}[/bold]: blocked — {escape(str(doc.get('reason', '')))}"

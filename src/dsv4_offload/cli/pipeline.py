@@ -105,9 +105,9 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
 
     from rich.markup import escape
 
-    from dsv4_offload import schedule
     from dsv4_offload.cli import live
     from dsv4_offload.cli.render import console, err_console, render_result
+    from dsv4_offload.pipeline import schedule
 
     g = options_of(ctx)
     if dry_run:

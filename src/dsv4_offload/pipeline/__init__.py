@@ -1,4 +1,5 @@
-"""Stage order, fingerprints, state records and run/resume/force/dry-run.
+"""Stage order, fingerprints, state records and the serial run/resume/force/dry-run
+(`run --serial`; the pipelined run on the stage graph is schedule.py, beside this module).
 
 A stage is *done* when its record says so and the fingerprint of its inputs still matches.
 The fingerprint is a flat map ``input name -> short digest``: recipe fields (flattened to
