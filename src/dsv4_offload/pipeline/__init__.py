@@ -128,6 +128,7 @@ class StageStatus:
     ended: str | None = None
     log: str | None = None
     summary: str = ""
+    pid: int | None = None  # running: the process that runs it (the record's)
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -161,6 +162,7 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         # by pid and start time: a pid since reused by another process is not our run
         if procs.alive(record.get("pid"), record.get("pid_start_time")):
             base.reason = f"running (pid {record.get('pid')})"
+            base.pid = record.get("pid")
             return base
         base.state, base.reason = "interrupted", "the process running it was killed; rerun it"
         left = leftover_processes(ctx.workspace, name=stage.name)
@@ -184,7 +186,21 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
 def pipeline_status(ctx: StageContext) -> list[StageStatus]:
     state = ctx.workspace.read_state()
     memo: dict[str, dict[str, str]] = {}
-    return [stage_status(ctx, s, state, memo) for s in STAGES]
+    rows = [stage_status(ctx, s, state, memo) for s in STAGES]
+    running = [r for r in rows if r.state == "running"]
+    if running:  # what is in flight: the latest progress each told the run's event stream
+        from dsv4_offload.core.inflight import InFlight
+
+        flight = InFlight()
+        for doc in events.iter_file(ctx.workspace.events_file):
+            flight.feed(doc)
+        for r in running:
+            got = flight.stages.get(r.name)  # of this very process, not an earlier run
+            text = got.progress_text(ctx.recipe.conversion.layers) \
+                if got is not None and got.pid == r.pid else ""
+            if text:
+                r.reason += f"; {r.name}: {text}"
+    return rows
 
 
 # --- running -------------------------------------------------------------------------------

@@ -76,6 +76,7 @@ class Slot:
     cli_error: str = ""  # the child's own one-line error (what serial `run` prints on stderr)
     log: str | None = None
     final_seen: bool = False
+    announced: bool = False  # its process said stage.started: its record says running
     before: dict[str, Any] | None = None  # its record when it was started
 
     @property
@@ -304,11 +305,17 @@ class Scheduler:
                 if bad is not None:
                     self._block(s, bad)
                 elif all(self.slots[d].state in OVER_OK for d in s.deps) and all(
-                        self.slots[d].state in (*OVER_OK, "running") for d in s.follows):
+                        self._followable(self.slots[d]) for d in s.follows):
                     self._begin(s)
                 else:
                     continue
                 changed = True
+
+    @staticmethod
+    def _followable(s: Slot) -> bool:
+        """Over, or running with its record written (the follower waits for that record to
+        end before it records its own: pipeline.run_stage)."""
+        return s.state in OVER_OK or (s.state == "running" and s.announced)
 
     def _block(self, s: Slot, bad: str) -> None:
         b = self.slots[bad]
@@ -458,6 +465,9 @@ class Scheduler:
         new, self.offset = events.read_new(self.path, self.offset)
         for doc in new:
             name = doc.get("stage")
+            if (doc.get("event") == "stage.started" and name in self.slots
+                    and doc.get("pid") != os.getpid()):
+                self.slots[name].announced = True
             if (doc.get("event") in ("stage.done", "stage.failed", "stage.interrupted")
                     and name in self.slots and doc.get("pid") != os.getpid()):
                 self.slots[name].final_seen = True
