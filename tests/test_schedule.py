@@ -289,3 +289,26 @@ def test_status_shows_what_is_in_flight(tmp_path: Path, fake_stages_env,
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert leftovers(no_leftovers) == []
+
+
+def test_the_cpu_budget_defaults_and_its_one_line_error(tmp_path: Path, fake_stages_env) -> None:
+    """recipe pipeline: the build takes the cores convert does not; a budget over its cores
+    is refused on load, naming the fields and the fix."""
+    ws = tmp_path / "ws"
+    data = _cli(ws, fake_stages_env, "--set", "pipeline.cores=8", "--json", "run",
+                "--dry-run").json()["data"]
+    assert data["cpu"] == {"cores": 8, "build_jobs": 7, "convert_beside_build": 1,
+                           "convert_alone": None}
+    plan = {p["stage"]: p for p in data["plan"]}
+    assert plan["build"]["options"] == {"jobs": 7}
+    # no build in this run: convert takes its alone budget (0 = its own default: no option)
+    data = _cli(ws, fake_stages_env, "--set", "pipeline.convert_jobs=5", "--json", "run",
+                "--from", "download", "--dry-run").json()["data"]
+    assert {p["stage"]: p for p in data["plan"]}["convert"]["options"] == {"jobs": 5,
+                                                                          "follow": True}
+    bad = _cli(ws, fake_stages_env, "--set", "pipeline.cores=4", "--set",
+               "pipeline.build_jobs=4", "run", "--dry-run")
+    assert bad.code == 2, bad
+    assert len(bad.err.strip().splitlines()) == 1
+    assert ("build_jobs 4 + convert_jobs_beside_build 1 exceed cores 4; lower build_jobs"
+            in bad.err)
