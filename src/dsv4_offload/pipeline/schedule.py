@@ -23,6 +23,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -266,6 +267,12 @@ class Scheduler:
                 self._loop()
             except KeyboardInterrupt as exc:
                 interrupted = self._stop_all(getattr(exc, "signum", None) or received_signal())
+            except BaseException:
+                # an error of the scheduler itself (a state file gone bad meanwhile): no stage
+                # runs on without it; the error is what the command reports
+                with contextlib.suppress(Exception):
+                    self._stop_all(signal.SIGTERM)
+                raise
         self._drain()
         outcome = Outcome([self.slots[n] for n in self.order], 0, interrupted,
                           round(time.monotonic() - t0, 3))
@@ -409,7 +416,9 @@ class Scheduler:
         elif status == "interrupted" or code in (ExitCode.HANGUP, ExitCode.INTERRUPTED,
                                                  ExitCode.TERMINATED) or code < 0:
             s.state = "interrupted"
-            s.error = (mine or {}).get("error") or f"the stage process ended by signal {-code}"
+            s.error = (mine or {}).get("error") or (
+                f"the stage process ended by {signal.Signals(-code).name}" if code < 0
+                else f"the stage process exited {code}")
         else:
             s.state = "failed"
             s.error = (mine or {}).get("error") or s.cli_error or _last_line(
@@ -435,7 +444,8 @@ class Scheduler:
         """Every running child stopped with the signal we got (Ctrl-C: SIGINT); each
         records itself interrupted. Further Ctrl-Cs wait for this to finish."""
         sig = signum or signal.SIGINT
-        previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
             running = [s for s in self.slots.values() if s.state == "running"]
             stop_children([s.child for s in running if s.child is not None], CHILD_GRACE_S,
@@ -446,7 +456,8 @@ class Scheduler:
                 if s.state == "failed":  # stopped by us, whatever its exit said
                     s.state = "interrupted"
         finally:
-            signal.signal(signal.SIGINT, previous)
+            if main:
+                signal.signal(signal.SIGINT, previous)
         return "Ctrl-C" if sig == signal.SIGINT else signal.Signals(sig).name
 
     # --- events ---
