@@ -7,11 +7,12 @@ Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
 both pids to <workspace>/<stage>.pids and sleeps (as a build step's shell and compiler).
 With <workspace>/record-env (names), it writes the values it saw to <workspace>/env-<stage>.json.
 
-For the pipelined run (tests/test_schedule.py): 'await OTHER' writes <workspace>/<stage>.started
-and waits until <workspace>/<OTHER>.started exists too (so the two ran at once; it fails after
-30 s if they never do, as a serial run would make it); 'until OTHER STATUS' waits until OTHER's
-record in the state file says STATUS. A download reports its bytes as `download mxfp4`
-progress, a convert two layers converted and one verified (events; nothing when run alone).
+For the pipelined run (tests/test_schedule.py): 'sleep N' works N seconds; 'await OTHER'
+writes <workspace>/<stage>.started and waits until <workspace>/<OTHER>.started exists too (so
+the two ran at once; it fails after 30 s if they never do, as a serial run would make it);
+'until OTHER STATUS' waits until OTHER's record in the state file says STATUS. A download
+reports its bytes as `download mxfp4` progress, a convert two layers converted and one
+verified, a build its step (events; nothing when run alone).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def make(name: str):  # type: ignore[no-untyped-def]
                 return state["stages"].get(words[1], {}).get("status") == words[2]
             if not _wait(said):
                 return StageResult(Status.FAILED, f"{words[1]} never became {words[2]}")
+        if words[:1] == ["sleep"] and len(words) == 2:  # 'sleep N': N seconds of work
+            time.sleep(float(words[1]))
         if behave == "sleep":
             (root / f"{name}.started").write_text("x")
             time.sleep(600)
