@@ -16,6 +16,9 @@ REPO = TESTS.parent
 CLI = [sys.executable, "-m", "dsv4_offload"]
 # the 910B recipe with every stage on the host; the file says which tests mean that
 HOST_RECIPE = TESTS / "fixtures" / "recipes" / "host-910b.yaml"
+# the same with weight and GGUF sets of a few KiB: for `run` with instrumented stages, which
+# write none of them, past the disk preflight of a pipelined run (the file says why)
+SMALL_RECIPE = TESTS / "fixtures" / "recipes" / "host-910b-small.yaml"
 
 
 class CliResult:

@@ -285,6 +285,24 @@ def test_platform_compiler_and_python_option_reach_the_step(ws: Path) -> None:
     assert Path(python).resolve() == Path(sys.executable).resolve()
 
 
+def test_the_jobs_a_pipelined_run_hands_reach_the_compiles(ws: Path,
+                                                          monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """`jobs` (recipe pipeline:, handed by a pipelined run) becomes CPUINFER_PARALLEL (what
+    kt-kernel's setup.py reads) and CMAKE_BUILD_PARALLEL_LEVEL; a step's own env wins."""
+    for var in ("CPUINFER_PARALLEL", "CMAKE_BUILD_PARALLEL_LEVEL"):
+        monkeypatch.delenv(var, raising=False)
+    seen = ("import os; open('par.txt', 'a').write(os.environ.get('CPUINFER_PARALLEL', '-') + "
+            "' ' + os.environ.get('CMAKE_BUILD_PARALLEL_LEVEL', '-') + '\\n')")
+    step = sglang_step(command=["{python}", "-c", seen], expect_markers=[])
+    assert build.run(make_ctx(ws, [step], jobs=3)).ok
+    assert build.run(make_ctx(ws, [step])).ok  # alone: nothing set, setup.py's own default
+    own = sglang_step(command=["{python}", "-c", seen], expect_markers=[],
+                      env={"CPUINFER_PARALLEL": "2"})
+    assert build.run(make_ctx(ws, [own], jobs=3)).ok
+    assert (ws / SGL / "par.txt").read_text().splitlines() == ["3 3", "- -", "2 3"]
+
+
 def test_hooks_installed_by_the_build_are_reported(ws: Path) -> None:
     script = KT_BUILD.replace(
         "sys.exit(", "open('../.git/hooks/pre-commit', 'w').write('#!/bin/sh\\n')\nsys.exit(")

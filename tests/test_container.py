@@ -100,8 +100,14 @@ def docker_env(tmp_path: Path) -> dict[str, str]:
     return env
 
 
+# sets of a few KiB: the instrumented stages write none of the 562 GiB the disk preflight of
+# a pipelined `run` counts
+SMALL_SETS = ["--set", "weights.w8a8.expected_bytes=4096", "--set",
+              "weights.mxfp4.expected_bytes=4096", "--set", "conversion.expected_file_bytes=1024"]
+
+
 def _args(ws: Path, *extra: str) -> list[str]:
-    return ["--workspace", str(ws), "--set", "runtime.python=image-python", *extra]
+    return ["--workspace", str(ws), "--set", "runtime.python=image-python", *SMALL_SETS, *extra]
 
 
 def _calls(env: dict[str, str]) -> list[list[str]]:
@@ -245,22 +251,24 @@ def test_exec_runs_a_stage_on_the_same_state(cli, tmp_path: Path, docker_env: di
     assert next(s for s in doc["stages"] if s["name"] == "doctor")["state"] == "done"
 
 
+@pytest.mark.parametrize("mode", [[], ["--serial"]], ids=["graph", "serial"])
 def test_run_sends_container_stages_in_and_keeps_the_others_here(
         cli, tmp_path: Path, docker_env: dict[str, str],
-        fake_stages_env: dict[str, str]) -> None:
+        fake_stages_env: dict[str, str], mode: list[str]) -> None:
     ws = tmp_path / "ws"
     env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
     plan = cli(*_args(ws), "--json", "run", "--dry-run", env=env).json()["data"]["plan"]
     reasons = {p["stage"]: p["reason"] for p in plan}
     assert reasons["build"].endswith(f"(in container {NAME})")
     assert "container" not in reasons["fetch"] and "container" not in reasons["convert"]
-    r = cli(*_args(ws), "run", env=env)
+    r = cli(*_args(ws), "run", *mode, env=env)
     assert r.code == 0, r
     ran = (ws / "ran.log").read_text().splitlines()
     inside = f" (in container {NAME})"
-    assert ran == ["doctor", "fetch", "patch", "build" + inside, "selftest" + inside,
-                   "download", "convert",
-                   "verify-gguf", "serve" + inside, "accept" + inside]
+    expected = ["doctor", "fetch", "patch", "build" + inside, "selftest" + inside,
+                "download", "convert", "verify-gguf", "serve" + inside, "accept" + inside]
+    # --serial in the registry's order; the graph the same stages, in the same places
+    assert ran == expected if mode else sorted(ran) == sorted(expected)
     # one state file: status on the host tells the whole story, nothing stale
     doc = cli(*_args(ws), "--json", "status", env=env).json()["data"]
     assert {s["name"]: s["state"] for s in doc["stages"]} == dict.fromkeys(
@@ -271,7 +279,8 @@ def test_run_sends_container_stages_in_and_keeps_the_others_here(
     assert state["stages"]["build"]["fingerprint"]["input.where"] == "container"
     # the lock was lent, then taken back: a second run on the workspace is refused meanwhile
     assert "lent" not in (ws / ".dsv4/lock").read_text()
-    assert cli(*_args(ws), "run", env=env).code == 0  # all done: skips everything
+    assert cli(*_args(ws), "run", *mode, env=env).code == 0  # all done: skips everything
+    assert (ws / "ran.log").read_text().splitlines() == ran
 
 
 def test_container_stage_cannot_take_the_lock_without_the_token(
@@ -367,14 +376,23 @@ def test_a_stage_failing_in_the_container_stops_run_with_its_reason(
     (ws / "behave").mkdir(parents=True)
     (ws / "behave" / "build").write_text(behave)
     env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
-    r = cli(*_args(ws), "--json", "run", env=env)
+    r = cli(*_args(ws), "--json", "run", "--serial", env=env)
     assert r.code == 1
     doc = r.json()["data"]
     assert doc["stopped_at"] == "build"
     assert any(said in p["message"] for p in doc["stages"]["build"]["problems"])
     state = json.loads((ws / ".dsv4/state.json").read_text())
     assert state["stages"]["build"]["status"] == "failed"  # recorded by the container's run
-    assert "download" not in state["stages"]
+    assert "download" not in state["stages"]  # --serial stopped there
+    # on the graph: the last event names the build's branch and its reason; the weights'
+    # branch went on to the end
+    r = cli(*_args(ws), "--json", "run", env=env)
+    assert r.code == 1, r
+    last = json.loads(r.out.splitlines()[-1])
+    assert last["event"] == "run.finished" and last["exit"] == 1
+    assert [b["stage"] for b in last["failed"]] == ["build"] and said in last["failed"][0][
+        "error"]
+    assert last["stages"]["verify-gguf"] == "done" and last["stages"]["serve"] == "blocked"
 
 
 def test_ctrl_c_on_the_host_stops_the_stage_in_the_container(
@@ -426,8 +444,9 @@ def test_a_stand_alone_stage_command_runs_in_the_container_as_run_does(
     assert r.code == 0, r
     assert (ws / "ran.log").read_text().splitlines() == [f"build (in container {NAME})"]
     inner = [c for c in _calls(docker_env) if c[1] == "exec" and "run" in c][-1]
-    assert inner[-8:] == ["--json", "run", "--from", "build", "--to", "build", "--force",
-                          "build"]
+    # --serial: the one stage inside, never a scheduler of its own there
+    assert inner[-9:] == ["--json", "run", "--serial", "--from", "build", "--to", "build",
+                          "--force", "build"]
     assert "-e" in inner and "DSV4_STAGE_OPTIONS" in inner
     state = json.loads((ws / ".dsv4/state.json").read_text())
     assert state["stages"]["build"]["container"] == NAME

@@ -104,9 +104,9 @@ def test_x86_rehearsal_runs_to_selftest_without_docker(tmp_path: Path,
     for key in ("DSV4_STAGE_PACKAGE", "PATH"):
         monkeypatch.setenv(key, env[key])
     monkeypatch.delenv("DSV4_RUNTIME", raising=False)
-    with pytest.raises(SystemExit) as done:
-        main(["--recipe", "dsv4-flash-x86-dev", "-w", str(tmp_path / "ws2"), "run", "--to",
-              "selftest", "--force", "build"])
+    with pytest.raises(SystemExit) as done:  # --serial: the stages run in this process
+        main(["--recipe", "dsv4-flash-x86-dev", "-w", str(tmp_path / "ws2"), "run", "--serial",
+              "--to", "selftest", "--force", "build"])
     capsys.readouterr()
     assert done.value.code == 0
     assert (tmp_path / "ws2" / "ran.log").read_text().split() == [

@@ -245,7 +245,10 @@ def test_a_new_stage_is_a_registry_row_and_a_module(tmp_path: Path) -> None:
     env.pop("DSV4_WORKSPACE", None)
     ws = tmp_path / "ws"
     overlay = tmp_path / "host.yaml"  # this test is about the pipeline on one host
-    overlay.write_text("extends: dsv4-flash-910b\nname: host-pipeline\nruntime:\n  kind: host\n")
+    # with sets of a few KiB: the disk preflight of `run` counts them, the stages write none
+    overlay.write_text("extends: dsv4-flash-910b\nname: host-pipeline\nruntime:\n  kind: host\n"
+                       "weights: {w8a8: {expected_bytes: 1}, mxfp4: {expected_bytes: 1}}\n"
+                       "conversion: {expected_file_bytes: 1}\n")
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", PACKAGE, "-w", str(ws), "-r", str(overlay),

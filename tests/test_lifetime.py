@@ -19,13 +19,14 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import CLI, HOST_RECIPE, run_cli
+from conftest import CLI, HOST_RECIPE, SMALL_RECIPE, run_cli
 from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 
 from dsv4_offload.core import procs
 
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
-HOST = ["-r", str(HOST_RECIPE)]
+# `run` with the instrumented stages: SMALL_RECIPE (its sets pass the disk preflight)
+HOST = ["-r", str(SMALL_RECIPE)]
 WAIT_S = 30  # the most any one step here may take
 
 
@@ -88,7 +89,9 @@ def _long_convert(ws: Path, env: dict[str, str], *extra: str
     and its compiler); the CLI and the two pids."""
     (ws / "behave").mkdir(parents=True)
     (ws / "behave" / "convert").write_text("children")
-    proc = _start([*HOST, "-w", str(ws), *extra, "run"], env)
+    serial = [a for a in extra if a == "--serial"]
+    extra = tuple(a for a in extra if a != "--serial")
+    proc = _start([*HOST, "-w", str(ws), *extra, "run", *serial], env)
     pids_file = ws / "convert.pids"
     _wait_for(lambda: pids_file.exists() and pids_file.read_text().endswith("\n"),
               "convert's children")
@@ -114,26 +117,36 @@ def test_term_or_hup_during_a_stage_is_ctrl_c(tmp_path: Path, fake_stages_env, n
     assert f"interrupted by {sig.name}" in st["convert"]["reason"]
     assert st["doctor"]["state"] == "done"
     assert (ws / ".dsv4" / "lock").read_text() == ""  # released
-    # the rerun resumes at convert
+    # the rerun resumes: convert again, and what else had not finished (the graph ran it
+    # beside convert), but nothing that was done
+    done = {name for name, row in st.items() if row["state"] == "done"}
+    before = len((ws / "ran.log").read_text().split())
     (ws / "behave" / "convert").unlink()
     res = run_cli(*HOST, "-w", str(ws), "run", env=fake_stages_env)
     assert res.code == 0, res
-    ran = (ws / "ran.log").read_text().split()
-    assert ran[ran.index("convert") + 1:][:1] == ["convert"]  # nothing before it again
+    again = (ws / "ran.log").read_text().split()[before:]
+    assert "convert" in again and not done & set(again), (done, again)
     assert _states(ws, fake_stages_env)["accept"]["state"] == "done"
 
 
+@pytest.mark.parametrize("serial", [True, False], ids=["serial", "graph"])
 def test_a_json_run_says_it_was_interrupted(tmp_path: Path, fake_stages_env,
-                                            no_leftovers) -> None:
-    """`nohup dsv4-offload --json run > log.json`: the document says how it ended."""
+                                            no_leftovers, serial: bool) -> None:
+    """`nohup dsv4-offload --json run > log.json`: the output says how it ended: --serial's
+    one document, or the last event of the graph's stream (one JSON object per line)."""
     ws = tmp_path / "ws"
-    proc, _ = _long_convert(ws, fake_stages_env, "--json")
+    proc, _ = _long_convert(ws, fake_stages_env, "--json", *(["--serial"] if serial else []))
     proc.send_signal(signal.SIGHUP)
     code, out, err = _finish_out(proc)
     assert code == 129, err
-    doc = json.loads(out)
-    assert doc["status"] == "interrupted" and doc["command"] == "run"
-    assert doc["data"] == {"signal": "SIGHUP", "exit_code": 129}
+    if serial:
+        doc = json.loads(out)
+        assert doc["status"] == "interrupted" and doc["command"] == "run"
+        assert doc["data"] == {"signal": "SIGHUP", "exit_code": 129}
+    else:
+        last = [json.loads(line) for line in out.splitlines()][-1]
+        assert last["event"] == "run.finished" and last["signal"] == "SIGHUP", last
+        assert last["exit"] == 129 and last["stages"]["convert"] == "interrupted"
     assert _gone(no_leftovers) == []
 
 
@@ -216,7 +229,7 @@ def _serve_cli(ws_root: Path, tag: str, port: int, *mode: str) -> tuple[list[str
     root = HOSTS / "x86-no-npu"
     env = {"DSV4_HOST_ROOT": str(root)}
     # a stand-in server on this host (HOST_RECIPE)
-    return ["--workspace", str(ws_root), *HOST, *sets], env
+    return ["--workspace", str(ws_root), "-r", str(HOST_RECIPE), *sets], env
 
 
 def _up(port: int) -> bool:

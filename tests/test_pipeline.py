@@ -1,7 +1,12 @@
-"""The pipeline through the real CLI, with instrumented stages: resume, staleness, lock."""
+"""The pipeline through the real CLI, with instrumented stages: resume, staleness, lock.
+
+`run` runs the stage graph (tests/test_schedule.py tests what is its own); the tests here
+that are about the order of the stages, or about stopping at the first failure, say
+`--serial`, the run as it was before the graph, which keeps both."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -10,14 +15,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, HOST_RECIPE, run_cli
+from conftest import CLI, SMALL_RECIPE, run_cli
 
 ALL = ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
        "serve", "accept"]
 
 
-# the pipeline on one host: every command here names the host recipe (HOST_RECIPE says why)
-HOST = ["-r", str(HOST_RECIPE)]
+# the pipeline on one host: every command here names the host recipe (HOST_RECIPE says why),
+# with sets of a few KiB (SMALL_RECIPE: the stand-in stages write none of the 562 GiB)
+HOST = ["-r", str(SMALL_RECIPE)]
 
 
 @pytest.fixture
@@ -73,30 +79,41 @@ def test_new_workspace_is_all_pending(cli, ws: Path, fake_stages_env) -> None:
     assert {s["state"] for s in st.values()} == {"pending"}
 
 
-def test_run_then_rerun_skips_everything(cli, ws: Path, fake_stages_env) -> None:
-    res = cli("-w", str(ws), "run", env=fake_stages_env)
+@pytest.mark.parametrize("mode", [[], ["--serial"]], ids=["graph", "serial"])
+def test_run_then_rerun_skips_everything(cli, ws: Path, fake_stages_env, mode) -> None:
+    res = cli("-w", str(ws), "run", *mode, env=fake_stages_env)
     assert res.code == 0, res
-    assert ran(ws) == ALL
+    # --serial keeps the registry's order; the graph runs the same stages, in its own
+    assert ran(ws) == ALL if mode else sorted(ran(ws)) == sorted(ALL)
+    first = ran(ws)
     assert {s["state"] for s in states(cli, ws, fake_stages_env).values()} == {"done"}
-    again = cli("-w", str(ws), "run", env=fake_stages_env)
+    again = cli("-w", str(ws), "run", *mode, env=fake_stages_env)
     assert again.code == 0, again
-    assert ran(ws) == ALL  # nothing ran a second time
+    assert ran(ws) == first  # nothing ran a second time
     assert "skip (done)" in again.out
     prov = (ws / "provenance.json").read_text()
     assert '"accept"' in prov and '"schema": 1' in prov
 
 
 def test_serve_runs_detached_inside_run(cli, ws: Path, fake_stages_env) -> None:
-    res = cli("--json", "-w", str(ws), "run", "--to", "serve", env=fake_stages_env)
+    res = cli("--json", "-w", str(ws), "run", "--serial", "--to", "serve", env=fake_stages_env)
     assert res.code == 0, res
     # detached, and with a chunk that takes accept's longest bucket (guide §7, §8.1)
     assert res.json()["data"]["stages"]["serve"]["outputs"]["options"] == ["accept_chunk",
                                                                           "detach"]
+    # the same in its own process on the graph (--json streams events: its start says)
+    res = cli("--json", "-w", str(ws), "run", "--to", "serve", "--force", "serve",
+              env=fake_stages_env)
+    assert res.code == 0, res
+    started = [json.loads(line) for line in res.out.splitlines()
+               if '"stage.started"' in line and '"serve"' in line]
+    assert started[0]["options"] == {"accept_chunk": True, "detach": True}
 
 
 def test_killed_run_resumes_from_the_interrupted_stage(cli, ws: Path, fake_stages_env) -> None:
+    # in order: every stage before convert done, every one after it pending
     behave(ws, "convert", "sleep")
-    proc = start_background(ws, fake_stages_env, "run")
+    proc = start_background(ws, fake_stages_env, "run", "--serial")
     try:
         wait_for(ws / "convert.started")
     finally:
@@ -107,7 +124,7 @@ def test_killed_run_resumes_from_the_interrupted_stage(cli, ws: Path, fake_stage
     assert [st[s]["state"] for s in ALL[:6]] == ["done"] * 6
     assert [st[s]["state"] for s in ALL[7:]] == ["pending"] * 3
     behave(ws, "convert", None)
-    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    res = cli("-w", str(ws), "run", "--serial", env=fake_stages_env)
     assert res.code == 0, res
     assert ran(ws) == ALL[:7] + ALL[6:]  # convert again, then the rest, nothing before it
 
@@ -135,8 +152,9 @@ def test_recipe_change_makes_exactly_the_dependents_stale(cli, ws: Path, fake_st
 
 
 def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_env) -> None:
+    # --serial stops at the first failure (the graph goes on beside it: test_schedule.py)
     behave(ws, "build", "fail")
-    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    res = cli("-w", str(ws), "run", "--serial", env=fake_stages_env)
     assert res.code == 1, res
     assert ran(ws) == ALL[:4]
     assert "run stopped at build" in res.out
@@ -145,17 +163,22 @@ def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_e
     assert "told to fail" in st["build"]["reason"]
     assert st["build"]["log"].endswith("logs/build")
     behave(ws, "build", "raise")
-    res = cli("-w", str(ws), "run", env=fake_stages_env)
-    assert res.code == 2 and res.err.strip() == "error: build: bad input; fix it", res
+    for mode in (["--serial"], []):  # the graph prints the stage's own error line too
+        res = cli("-w", str(ws), "run", *mode, env=fake_stages_env)
+        assert res.code == 2 and res.err.strip() == "error: build: bad input; fix it", res
     assert states(cli, ws, fake_stages_env)["build"]["state"] == "failed"
 
 
-def test_ctrl_c_records_the_stage_as_interrupted(cli, ws: Path, fake_stages_env) -> None:
+@pytest.mark.parametrize("mode", [[], ["--serial"]], ids=["graph", "serial"])
+def test_ctrl_c_records_the_stage_as_interrupted(cli, ws: Path, fake_stages_env, mode) -> None:
     # issue 19: an interrupt is recorded as such (with how it came), not as a failure
     behave(ws, "fetch", "interrupt")
-    res = cli("-w", str(ws), "run", env=fake_stages_env)
+    res = cli("-w", str(ws), "run", *mode, env=fake_stages_env)
     assert res.code == 130, res
-    assert res.err.strip().endswith("interrupted"), res
+    if mode:
+        assert res.err.strip().endswith("interrupted"), res
+    else:  # the graph: that branch stopped, named; the download went on
+        assert "fetch interrupted: interrupted by Ctrl-C" in res.out, res
     st = states(cli, ws, fake_stages_env)
     assert st["fetch"]["state"] == "interrupted" and "Ctrl-C" in st["fetch"]["reason"]
 
@@ -209,7 +232,9 @@ def test_state_file_is_valid_json_after_every_step(ws: Path, fake_stages_env) ->
     subprocess.run([*CLI, *HOST, "-w", str(ws), "run"], env=full, check=True,
                    capture_output=True)
     meta = ws / ".dsv4"
-    assert sorted(p.name for p in meta.iterdir()) == ["lock", "state.json"]
+    # records.lock: the flock around each read-modify-write of the records (stage processes
+    # of one run write them at once)
+    assert sorted(p.name for p in meta.iterdir()) == ["lock", "records.lock", "state.json"]
 
 
 def test_corrupt_state_file_gives_one_line(cli, ws: Path, fake_stages_env) -> None:

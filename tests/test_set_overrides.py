@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE
+from conftest import SMALL_RECIPE
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import load_recipe
@@ -79,7 +79,8 @@ def test_a_bad_value_is_blamed_on_the_override_in_any_spelling() -> None:
 def test_the_field_status_names_can_be_set_back(cli, tmp_path: Path, fake_stages_env) -> None:
     """status prints the changed field; --set takes that very text (issue 11)."""
     ws = tmp_path / "ws"
-    host = ("-r", str(HOST_RECIPE))  # the pipeline on one host (HOST_RECIPE says why)
+    # the pipeline on one host (HOST_RECIPE says why), past the disk preflight (SMALL_RECIPE)
+    host = ("-r", str(SMALL_RECIPE))
     assert cli("run", "-w", str(ws), *host, env=fake_stages_env).code == 0
     at = [s.name for s in load_recipe().sources].index("sglang")
 

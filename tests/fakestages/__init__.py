@@ -6,6 +6,13 @@ Selected with DSV4_STAGE_PACKAGE=fakestages. Each stage appends its name to
 'children' runs a child through the runner that starts a grandchild in its group, writes
 both pids to <workspace>/<stage>.pids and sleeps (as a build step's shell and compiler).
 With <workspace>/record-env (names), it writes the values it saw to <workspace>/env-<stage>.json.
+
+For the pipelined run (tests/test_schedule.py): 'sleep N' works N seconds; 'await OTHER'
+writes <workspace>/<stage>.started and waits until <workspace>/<OTHER>.started exists too (so
+the two ran at once; it fails after 30 s if they never do, as a serial run would make it);
+'until OTHER STATUS' waits until OTHER's record in the state file says STATUS. A download
+reports its bytes as `download mxfp4` progress, a convert two layers converted and one
+verified, a build its step (events; nothing when run alone).
 """
 
 from __future__ import annotations
@@ -31,6 +38,23 @@ def make(name: str):  # type: ignore[no-untyped-def]
         if wanted.exists():  # the variables this stage saw, by name (None when unset)
             seen = {k: os.environ.get(k) for k in wanted.read_text().split()}
             (root / f"env-{name}.json").write_text(json.dumps(seen))
+        _report(ctx, name)
+        words = behave.split()
+        if words[:1] == ["await"]:
+            (root / f"{name}.started").write_text("x")
+            if not _wait(lambda: (root / f"{words[1]}.started").exists()):
+                return StageResult(Status.FAILED, f"{name} never ran beside {words[1]}")
+        if words[:1] == ["until"]:
+            def said() -> bool:
+                try:
+                    state = json.loads((root / ".dsv4" / "state.json").read_text())
+                except (OSError, ValueError):
+                    return False
+                return state["stages"].get(words[1], {}).get("status") == words[2]
+            if not _wait(said):
+                return StageResult(Status.FAILED, f"{words[1]} never became {words[2]}")
+        if words[:1] == ["sleep"] and len(words) == 2:  # 'sleep N': N seconds of work
+            time.sleep(float(words[1]))
         if behave == "sleep":
             (root / f"{name}.started").write_text("x")
             time.sleep(600)
@@ -59,3 +83,27 @@ def make(name: str):  # type: ignore[no-untyped-def]
                            "options": sorted(k for k, v in ctx.options.items() if v)})
 
     return run
+
+
+def _wait(check, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _report(ctx: StageContext, name: str) -> None:
+    """Events as the real stages send them (core/events; no-ops outside a pipelined run)."""
+    if name == "download":
+        with ctx.task("download mxfp4", total=2048, unit="B") as task:
+            task.update(completed=2048)
+        ctx.event("file.verified", set="mxfp4", path="model-00001-of-00046.safetensors",
+                  bytes=2048)
+    elif name == "convert":
+        for layer in (0, 1):
+            ctx.event("layer.converted", layer=layer)
+        ctx.event("layer.verified", layer=0)
+    elif name == "build":
+        ctx.event("step.started", step="kt-kernel")

@@ -261,6 +261,25 @@ class StepCommand:
     env: dict[str, str]
 
 
+# What a build's compiles read for their parallelism, set from the `jobs` a pipelined run
+# hands the build (recipe `pipeline:`): kt-kernel's setup.py takes CPUINFER_PARALLEL
+# (kt-kernel/setup.py:125-131, detect_parallel_jobs, else multiprocessing.cpu_count(); lines
+# of ktransformers d7b5b49 with the series' main_repo/0001+0002) and passes it on as
+# `cmake --build . --parallel N` (setup.py:762-764); any other `cmake --build` of a step reads
+# CMAKE_BUILD_PARALLEL_LEVEL (CMake's own variable, CMake >= 3.12).
+PARALLEL_VARS = ("CPUINFER_PARALLEL", "CMAKE_BUILD_PARALLEL_LEVEL")
+
+
+def parallel_env(environ: Mapping[str, str], jobs: int | None) -> dict[str, str]:
+    """``environ`` with the parallel-job variables at ``jobs`` (none when None); one the
+    operator exported wins, and so does a step's own `env` (applied after this)."""
+    env = dict(environ)
+    if jobs:
+        for var in PARALLEL_VARS:
+            env.setdefault(var, str(int(jobs)))
+    return env
+
+
 def step_command(step: BuildStep, recipe: Recipe, places: Placeholders,
                  environ: Mapping[str, str], workdir: Path, log: Path,
                  constraints: Path | None = None) -> StepCommand:

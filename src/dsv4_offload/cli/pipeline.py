@@ -35,13 +35,19 @@ def run(
     mirror: list[str] = typer.Option([], "--mirror", metavar="NAME=URL",
                                      help="A mirror for source NAME, tried first."),
     device: int | None = typer.Option(None, "--device", metavar="N", help="NPU id to serve on."),
+    serial: bool = typer.Option(False, "--serial",
+                                help="One stage at a time, in order, stopping at the first "
+                                "failure (the run before the stage graph)."),
 ) -> None:
     """Run the pipeline, resuming where it stopped.
 
     1. Plan: every stage between --from and --to is skipped when its record is done and
        its inputs (recipe fields, upstream outputs, files) are unchanged.
-    2. Run the others in order; each writes its record only when it has finished.
-    3. Stop at the first failure, with its record, message and log path.
+    2. Run the others on the stage graph, each in a process of its own: a stage starts once
+       the stages it needs are done (convert starts with the download and follows it), so
+       the build runs while the weights arrive. Each writes its record when it has finished.
+    3. A failure stops the stages that need it; the others go on. The end names each branch
+       that stopped, with its error and log. `--serial`: in order, stopping at the first.
     """
     from rich.markup import escape
 
@@ -51,6 +57,8 @@ def run(
     options: dict[str, Any] = {"mirrors": list(mirror), "device": device}
     pctx = load_context(ctx, "", options)
     g = options_of(ctx)
+    if not serial:
+        _run_pipelined(ctx, pctx, start, stop, tuple(force), dry_run)
     if dry_run:
         items = pipeline.plan(pctx, start, stop, tuple(force))
         data = [{"stage": i.stage, "action": i.action, "reason": i.reason, "steps": i.steps}
@@ -87,6 +95,61 @@ def run(
             emit_result(ctx, name, result)
         if outcome.stopped_at:
             console().print(f"run stopped at {outcome.stopped_at}; fix it and rerun `run`")
+    exit_with(outcome.exit_code)
+
+
+def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str | None,
+                   force: tuple[str, ...], dry_run: bool) -> None:
+    """`run` on the stage graph (schedule.py); what it shows is cli/live.py's."""
+    import sys
+
+    from rich.markup import escape
+
+    from dsv4_offload.cli import live
+    from dsv4_offload.cli.render import console, err_console, render_result
+    from dsv4_offload.pipeline import schedule
+
+    g = options_of(ctx)
+    if dry_run:
+        items, cpu = schedule.overlapped_plan(pctx, start, stop, force)
+        disk = schedule.disk_needs(pctx, items)
+        if g.json:
+            emit(ctx, command="run", status="ok", data={
+                "dry_run": True, "mode": "pipelined", "plan": [i.as_dict() for i in items],
+                "cpu": cpu.as_dict(), "disk": [fs.as_dict() for fs in disk]})
+        elif g.quiet:
+            todo = [i.stage for i in items if i.action == "run"]
+            console().print(escape(f"run --dry-run: {len(todo)} to run"
+                                   + (f" ({', '.join(todo)})" if todo else "")
+                                   + f", {len(items) - len(todo)} not"), soft_wrap=True)
+        else:
+            for line in live.plan_lines(items, cpu, disk):
+                console().print(line, soft_wrap=True)
+        exit_with(ExitCode.OK)
+    view: Any
+    if g.json:
+        view = live.JsonLines()
+    elif g.quiet or not console().is_terminal:
+        view = live.PlainLines(quiet=g.quiet)
+    else:
+        view = live.LiveView(pctx.recipe.conversion.layers)
+    with pctx.workspace.lock("run"), view:
+        outcome = schedule.Scheduler(pctx, start, stop, force, on_event=view.event,
+                                     verbose=g.verbose).run()
+    if not g.json:
+        if not g.quiet:
+            for s in outcome.slots:
+                result = schedule.stage_result(s)
+                if result is not None and s.state != "interrupted":
+                    render_result(s.name, result, verbose=g.verbose)
+        for line in live.outcome_lines(outcome)[-1 if g.quiet else 0:]:
+            console().print(line, soft_wrap=True)
+        for s in outcome.failed:
+            if s.cli_error:  # the one line the stage's own command would have printed
+                err_console().print(escape(f"error: {s.cli_error}"), soft_wrap=True)
+    if outcome.interrupted:
+        sys.stderr.write(f"interrupted by {outcome.interrupted}\n"
+                         if outcome.interrupted != "Ctrl-C" else "interrupted\n")
     exit_with(outcome.exit_code)
 
 

@@ -8,11 +8,16 @@ its live view and for `run --json`. With the variable unset (a stage run on its 
 Every event has ``v`` (the schema, 1), ``t`` (UTC, milliseconds), ``event`` and ``pid``;
 most have ``stage``. The kinds, and the fields beside them:
 
-- ``run.started`` / ``run.finished``             plan (stage -> action), exit, failed
-- ``stage.started``                              stage
+- ``run.started``                                mode, plan (stage -> action), cpu
+- ``run.finished``                               exit, failed (branches), stages (status),
+                                                 signal (when interrupted)
+- ``stage.started``                              stage, log, options (pid: the stage's)
 - ``stage.progress``                             stage, task, completed, total, unit
-- ``stage.done`` / ``stage.skipped``             stage, summary
+- ``stage.done`` / ``stage.skipped``             stage, summary (done: seconds)
 - ``stage.failed``                               stage, error, log
+- ``stage.interrupted``                          stage, signal
+- ``stage.blocked``                              stage, reason (a need failed)
+- ``step.started`` / ``step.done``               stage, step (done: status, seconds)
 - ``file.verified`` / ``file.failed``            stage, set, path, bytes (failed: error)
 - ``layer.started`` / ``layer.converted`` / ``layer.verified`` / ``layer.failed``
                                                  stage, layer (failed: error, fix)

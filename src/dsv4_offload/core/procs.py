@@ -211,8 +211,17 @@ class GroupNotes:
     path: Path
 
     def begin(self, owner: Identity) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n")
+        text = f"owner {owner.pid} {owner.start_time} {_pid_namespace()}\n"
+        for attempt in range(5):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                self.path.write_text(text)
+                return
+            except FileNotFoundError:
+                # another stage process of the same run removed the directory when it found
+                # it empty (its own notes done), between our mkdir and our write: again
+                if attempt == 4:
+                    raise
 
     def note(self, pgid: int) -> None:
         with open(self.path, "a") as fh:

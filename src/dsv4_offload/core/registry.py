@@ -3,6 +3,11 @@
 One row per stage. The stage's code is the module ``dsv4_offload.stages.<name>`` (dashes
 become underscores) with one entry point, ``run(ctx) -> StageResult``; the pipeline imports
 it only when the stage runs. Adding a stage is a row here, its module and its test.
+
+A stage module that can follow a need listed in its row's ``streams`` while that need still
+runs (convert, converting each layer as its shards arrive) says so with ``FOLLOWS = True``;
+a pipelined `run` then starts it beside that need with the option ``follow=True``. Without
+it the stage waits for the need to be done, as any other.
 """
 
 from __future__ import annotations
@@ -25,6 +30,10 @@ class StageSpec:
     # needs a pipelined `run` may start beside, before they are done: the stage follows
     # their progress itself (convert converts each layer as its shards arrive)
     streams: tuple[str, ...] = ()
+    # order only (no fingerprint): a pipelined `run` starts the stage once these are over
+    # and did not fail, as the serial order has it (doctor before any transfer, the
+    # self-test before the server)
+    after: tuple[str, ...] = ()
 
     @property
     def module(self) -> str:
@@ -36,7 +45,8 @@ class StageSpec:
 
 STAGES: tuple[StageSpec, ...] = (
     StageSpec("doctor", (), ("host",), summary="host preflight"),
-    StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits"),
+    StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits",
+              after=("doctor",)),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits"),
     # a build made in another image (or on the host instead of in one) is not this one
     StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
@@ -47,7 +57,7 @@ STAGES: tuple[StageSpec, ...] = (
               summary="kt-kernel MXFP4 MoE vs a numpy reference"),
     # how many files travel at once changes no byte of the result
     StageSpec("download", (), ("weights",), exclude=("weights.streams",),
-              summary="W8A8 and MXFP4 weights"),
+              summary="W8A8 and MXFP4 weights", after=("doctor",)),
     StageSpec(
         "convert",
         ("download",),
@@ -65,6 +75,7 @@ STAGES: tuple[StageSpec, ...] = (
         ("serve", "weights.w8a8.dir", "conversion.gguf_dir", "conversion.file_template",
          "acceptance.throughput.server_chunk"),
         summary="the hybrid server, supervised",
+        after=("selftest",),  # a kt-kernel that failed its self-test is not served
         # `run` goes on to accept: a chunk that takes its longest bucket (guide §7, §8.1)
         run_options={"detach": True, "accept_chunk": True},
     ),

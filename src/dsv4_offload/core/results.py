@@ -93,6 +93,17 @@ class StageResult:
     def ok(self) -> bool:
         return self.status in (Status.OK, Status.WARN, Status.SKIPPED)
 
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> StageResult:
+        """The result back from its :meth:`as_dict` (another process's JSON)."""
+        return cls(
+            Status(doc.get("status", "failed")), str(doc.get("summary", "")),
+            data=doc.get("data") or {},
+            problems=[Problem(p.get("severity", "error"), p.get("message", ""),
+                              p.get("fix", ""), p.get("check", ""))
+                      for p in doc.get("problems") or [] if isinstance(p, dict)],
+            outputs=doc.get("outputs") or {}, log=doc.get("log"))
+
     def as_dict(self) -> dict[str, Any]:
         return {
             "status": self.status.value,

@@ -263,6 +263,24 @@ class Child:
             self.stop()
 
 
+def stop_children(children: Sequence[Child], grace: float = KILL_GRACE_S,
+                  first: int = signal.SIGTERM) -> None:
+    """Stop several children at once: ``first`` (SIGTERM; a scheduler passes on the signal
+    it got, so each child records that cause) to every group, then SIGKILL to the groups of
+    those still running after ``grace`` seconds; returns once all are reaped."""
+    live = [c for c in children if c.proc.poll() is None]
+    for child in live:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(child.pid, first)
+    deadline = time.monotonic() + grace
+    for child in live:
+        try:
+            child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _kill_group(child.proc, 0.0)
+            child.proc.wait()
+
+
 def start(
     args: list[str],
     *,

@@ -25,7 +25,7 @@ from dsv4_offload.recipe.load import (
     resolve_recipe_path,
     resolve_series_path,
 )
-from dsv4_offload.recipe.model import Origin, Platform, Recipe, Runtime
+from dsv4_offload.recipe.model import Origin, Pipeline, Platform, Recipe, Runtime
 from dsv4_offload.recipe.overrides import apply_overrides
 from dsv4_offload.recipe.sections import (
     Acceptance,
@@ -56,9 +56,9 @@ from dsv4_offload.recipe.sections import (
 __all__ = [
     "BUNDLED_RECIPES", "BUNDLED_SERIES", "DATA_DIR", "DEFAULT_RECIPE",
     "Acceptance", "Build", "BuildStep", "Conversion", "Degeneration", "FileEdit", "Host",
-    "LogMarker", "Origin", "PatchEntry", "PatchOrigin", "Platform", "Probe", "RealLayer",
-    "Recipe", "RemoteFile", "RunPackage", "Runtime", "Selftest", "SelftestEmulator", "Serve",
-    "Series",
+    "LogMarker", "Origin", "PatchEntry", "PatchOrigin", "Pipeline", "Platform", "Probe",
+    "RealLayer", "Recipe", "RemoteFile", "RunPackage", "Runtime", "Selftest", "SelftestEmulator",
+    "Serve", "Series",
     "Source", "StepCheck", "Strict", "Throughput", "WeightSet", "Weights", "apply_overrides",
     "bundled_recipe_names", "load_recipe", "load_recipe_and_series", "load_series",
     "looks_like_series", "resolve_recipe_path", "resolve_series_path",

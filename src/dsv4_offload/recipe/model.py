@@ -77,6 +77,36 @@ class Runtime(Strict):
         return self
 
 
+class Pipeline(Strict):
+    """How a pipelined `run` shares the cores between the build and the conversion that
+    runs beside it (the download is bound by the link, not the cores). The jobs are handed
+    to the stages as their `jobs` option: convert's `--jobs`; for build, the variables its
+    compiles read (kt-kernel's CPUINFER_PARALLEL, CMake's CMAKE_BUILD_PARALLEL_LEVEL), which
+    a step's own `env` still overrides."""
+
+    cores: int = Field(
+        0, ge=0, description="cores the run may use; 0 = the CPUs this process may run on "
+        "(its affinity mask)")
+    build_jobs: int = Field(
+        0, ge=0, description="parallel compile jobs of `build`; 0 = cores minus "
+        "convert_jobs_beside_build (at least 1): the build first, with most cores")
+    convert_jobs_beside_build: int = Field(
+        1, ge=1, description="conversion jobs while the build is still to finish in the same "
+        "run (a following convert is paced by the download: one job keeps up)")
+    convert_jobs: int = Field(
+        0, ge=0, description="conversion jobs when no build runs beside it; 0 = convert's own "
+        "default (its `--jobs` default)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> Pipeline:
+        if self.cores and self.build_jobs + self.convert_jobs_beside_build > self.cores:
+            raise ValueError(
+                f"build_jobs {self.build_jobs} + convert_jobs_beside_build "
+                f"{self.convert_jobs_beside_build} exceed cores {self.cores}; lower build_jobs "
+                "(or leave it 0: the cores convert does not take)")
+        return self
+
+
 class Platform(Strict):
     npu: str = Field(description="NPU family (910B, A3)")
     cann: str = Field(description="CANN version the recipe was made for")
@@ -127,6 +157,9 @@ class Recipe(Strict):
         "development recipe ends at selftest): `run` passes them, running them says why")
     runtime: Runtime = Field(
         Runtime(), description="where build, selftest, serve and accept run: host or container")
+    pipeline: Pipeline = Field(
+        Pipeline(), description="how a pipelined `run` shares the cores between build and "
+        "conversion")
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:

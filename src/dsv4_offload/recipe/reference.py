@@ -63,6 +63,8 @@ _TAIL = """\
   derives one from the other.
 - `serve.chunked_prefill_size` is a positive multiple of `serve.page_size` and at least
   `serve.longest_prompt_tokens` (the NSA compressor needs one chunk to cover the prompt).
+- `pipeline.build_jobs + pipeline.convert_jobs_beside_build` is at most `pipeline.cores`
+  when both `cores` and `build_jobs` are given.
 - `acceptance.determinism_probe` names a probe; `conversion.digests` keys are layers
   `0..layers-1`.
 - In a series, `origin` is either `source` + `path` (a file inside a pinned source) or

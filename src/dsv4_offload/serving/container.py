@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.events import EVENTS_ENV
 from dsv4_offload.core.runner import (
     CommandFailed,
     capture,
@@ -671,7 +672,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     refused = before(ctx, plan, options) if before is not None else None
     if refused is not None:
         return refused  # type: ignore[no-any-return]
-    args = ["--json", "run", "--from", stage, "--to", stage, "--force", stage]
+    # --serial: the one stage, in this process inside (a pipelined run schedules on the host)
+    args = ["--json", "run", "--serial", "--from", stage, "--to", stage, "--force", stage]
     if options.get("device") is not None:
         args += ["--device", str(options["device"])]
     log = ctx.workspace.log_dir("container") / f"{stage}.log"
@@ -684,6 +686,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     if standalone is not None:
         env[STAGE_OPTIONS_ENV] = json.dumps(standalone, default=str)
         names.append(STAGE_OPTIONS_ENV)
+    if EVENTS_ENV in os.environ:  # a pipelined run's event file: under the workspace, mounted
+        names.append(EVENTS_ENV)
     with ctx.workspace.lend_lock() as token:
         env[HANDOFF_ENV] = token
         argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names],

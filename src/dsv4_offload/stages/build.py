@@ -452,6 +452,7 @@ def _run_steps(ctx: StageContext, steps: list[BuildStep], python: str, hooks_dir
     for step in steps:
         built_with = ((previous.get("steps") or {}).get(step.name) or {}).get("settings")
         report = run_step(ctx, step, python, hooks_dir, built_with=built_with)
+        ctx.event("step.done", step=step.name, status=report.status, seconds=report.seconds)
         reports.append(report)
         data["steps"][step.name] = report.as_dict()
         if report.cleaned:
@@ -565,7 +566,8 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             bringup.apply_edit(workdir, edit, log)
         for rel in step.remove_first:
             bringup.remove_first(workdir, rel, log)
-        made = bringup.step_command(step, ctx.recipe, places, os.environ, workdir, log,
+        environ = bringup.parallel_env(os.environ, ctx.option("jobs"))
+        made = bringup.step_command(step, ctx.recipe, places, environ, workdir, log,
                                     constraints)
         argv, env = made.argv, made.env
         _run_checks(step, "before", places, workdir, env, python, log)
@@ -602,6 +604,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
                               "lines 96-97)")
         old_mask = os.umask(mask) if mask is not None else None
         try:
+            ctx.event("step.started", step=step.name)  # the live view's "build step"
             with ctx.task(f"build {step.name}") as task:
                 result = run_command(argv, log=log, cwd=workdir, env=env, check=False,
                                      on_line=lambda line: task.update(

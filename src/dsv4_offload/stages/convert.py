@@ -45,6 +45,10 @@ from dsv4_offload.weights.convert import (
 )
 from dsv4_offload.workspace.context import StageContext
 
+# a pipelined `run` may start this stage beside a running download and hand it
+# follow=True (pipeline/schedule.py): each layer converts as its shards arrive
+FOLLOWS = True
+
 # --- worker processes ----------------------------------------------------------------------
 
 

@@ -141,6 +141,7 @@ class Workspace:
     def __init__(self, root: Path | str) -> None:
         self.root = Path(root).expanduser().absolute()
         self._lock_fh: Any = None  # the open lock file while this process holds the lock
+        self._borrowed: str | None = None  # the token this process works under, if lent one
 
     @classmethod
     def from_option(cls, value: str | None) -> Workspace:
@@ -158,6 +159,17 @@ class Workspace:
     @property
     def lock_file(self) -> Path:
         return self.meta_dir / "lock"
+
+    @property
+    def records_lock_file(self) -> Path:
+        """Held (flock) around each read-modify-write of the state file and provenance: the
+        stage processes of a pipelined `run` write them at the same time."""
+        return self.meta_dir / "records.lock"
+
+    @property
+    def events_file(self) -> Path:
+        """The event stream of the last pipelined `run` (core/events); `status` reads it."""
+        return self.root / "logs" / "run" / "events.jsonl"
 
     @property
     def sources_lock_file(self) -> Path:
@@ -277,7 +289,11 @@ class Workspace:
                     fh.close()
                     if os.environ.get(LENDER_PIPE_ENV):
                         _stop_when_the_lender_dies()
-                    yield  # the holder waits for us with the lock in its hand
+                    self._borrowed = token
+                    try:
+                        yield  # the holder waits for us with the lock in its hand
+                    finally:
+                        self._borrowed = None
                     return
                 holder = content.strip().splitlines()[0] if content.strip() else \
                     "another dsv4-offload process"
@@ -304,10 +320,16 @@ class Workspace:
 
     @contextlib.contextmanager
     def lend_lock(self) -> Iterator[str]:
-        """While held: a token another process passes in ``HANDOFF_ENV`` to work under it."""
+        """While held: a token another process passes in ``HANDOFF_ENV`` to work under it.
+        A borrower (a stage process of a pipelined `run`) passes on the token it was lent: the
+        holder keeps the lock until that borrower is done, and so until its own borrowers are
+        (a stage it runs in the container)."""
         import secrets
 
         fh = self._lock_fh
+        if fh is None and self._borrowed is not None:
+            yield self._borrowed
+            return
         if fh is None:
             raise RuntimeError("lend_lock() needs the workspace lock held by this process")
         token = secrets.token_hex(16)
@@ -342,21 +364,23 @@ class Workspace:
         return state
 
     @contextlib.contextmanager
-    def _records_lock(self) -> Iterator[None]:
-        """Held around each read-modify-write of the state file and provenance: stages of
-        a pipelined run (download and convert side by side) write their records from
-        separate processes, and neither may lose the other's. The lock is taken on the
-        metadata directory itself (flock works on a directory's descriptor): no lock file."""
-        self.meta_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.meta_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    def records_locked(self) -> Iterator[None]:
+        """Meanwhile no other process of ours reads-modifies-writes the state file or the
+        provenance (a blocking flock on a side file; readers need none: every write is an
+        atomic rename, so a reader sees the old file or the new one)."""
+        try:
+            self.meta_dir.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.records_lock_file, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        except PermissionError:
+            raise access_error(self.records_lock_file) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
-            os.close(fd)  # releases the lock
+            os.close(fd)  # closing the descriptor releases the flock
 
     def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
-        with self._records_lock():
+        with self.records_locked():
             state = self.read_state()
             state["schema"] = STATE_SCHEMA
             state["stages"][stage] = record
@@ -364,7 +388,7 @@ class Workspace:
 
     # --- provenance ---
     def update_provenance(self, section: str, value: Any) -> None:
-        with self._records_lock():
+        with self.records_locked():
             prov = read_json(self.provenance_file, {})
             if not isinstance(prov, dict):
                 prov = {}

@@ -1,4 +1,5 @@
-"""Stage order, fingerprints, state records and run/resume/force/dry-run.
+"""Stage order, fingerprints, state records and the serial run/resume/force/dry-run
+(`run --serial`; the pipelined run on the stage graph is schedule.py, beside this module).
 
 A stage is *done* when its record says so and the fingerprint of its inputs still matches.
 The fingerprint is a flat map ``input name -> short digest``: recipe fields (flattened to
@@ -16,12 +17,12 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import BaseModel
 
-from dsv4_offload.core import procs
+from dsv4_offload.core import events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
@@ -127,6 +128,7 @@ class StageStatus:
     ended: str | None = None
     log: str | None = None
     summary: str = ""
+    pid: int | None = None  # running: the process that runs it (the record's)
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -160,6 +162,7 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
         # by pid and start time: a pid since reused by another process is not our run
         if procs.alive(record.get("pid"), record.get("pid_start_time")):
             base.reason = f"running (pid {record.get('pid')})"
+            base.pid = record.get("pid")
             return base
         base.state, base.reason = "interrupted", "the process running it was killed; rerun it"
         left = leftover_processes(ctx.workspace, name=stage.name)
@@ -183,7 +186,21 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
 def pipeline_status(ctx: StageContext) -> list[StageStatus]:
     state = ctx.workspace.read_state()
     memo: dict[str, dict[str, str]] = {}
-    return [stage_status(ctx, s, state, memo) for s in STAGES]
+    rows = [stage_status(ctx, s, state, memo) for s in STAGES]
+    running = [r for r in rows if r.state == "running"]
+    if running:  # what is in flight: the latest progress each told the run's event stream
+        from dsv4_offload.core.inflight import InFlight
+
+        flight = InFlight()
+        for doc in events.iter_file(ctx.workspace.events_file):
+            flight.feed(doc)
+        for r in running:
+            got = flight.stages.get(r.name)  # of this very process, not an earlier run
+            text = got.progress_text(ctx.recipe.conversion.layers) \
+                if got is not None and got.pid == r.pid else ""
+            if text:
+                r.reason += f"; {r.name}: {text}"
+    return rows
 
 
 # --- running -------------------------------------------------------------------------------
@@ -203,6 +220,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
             f"stop before it with `run --to {_previous(name)}`"
         )
     sub = ctx.for_stage(name, options)
+    if events.events_file() is not None:  # a stage process of a pipelined run
+        sub = replace(sub, progress=events.EventProgress(name, sub.progress))
     ws = ctx.workspace
     sweep_leftovers(ws)
     started = now_iso()
@@ -212,15 +231,19 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     ws.write_stage_record(name, {"status": "running", "pid": me.pid,
                                  "pid_start_time": me.start_time, "started": started,
                                  "log": str(sub.log_dir)})
+    events.emit("stage.started", stage=name, log=str(sub.log_dir),
+                options={k: v for k, v in (options or {}).items()
+                         if v and isinstance(v, (bool, int, float, str))})
     try:
         with _groups_noted(ws, name, me):
             result: StageResult = module.run(sub)
     except KeyboardInterrupt as exc:
-        how = interrupt_name(exc)
+        how = interrupt_name(exc) + _orphaned()
         ws.write_stage_record(name, {
-            "status": "interrupted", "signal": how, "started": started, "ended": now_iso(),
-            "seconds": round(time.monotonic() - t0, 3), "error": f"interrupted by {how}",
-            "log": str(sub.log_dir)})
+            "status": "interrupted", "signal": interrupt_name(exc), "started": started,
+            "ended": now_iso(), "seconds": round(time.monotonic() - t0, 3),
+            "error": f"interrupted by {how}", "log": str(sub.log_dir)})
+        events.emit("stage.interrupted", stage=name, signal=interrupt_name(exc))
         raise
     except Dsv4Error as exc:
         _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
@@ -235,6 +258,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result
+    if sub.option("follow"):
+        _await_streams(ws, stage)
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
     fp = fingerprint(sub, stage, ws.read_state())
@@ -248,6 +273,8 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     if inside:
         record["container"] = inside  # where its processes live (serve stop/status go there)
     ws.write_stage_record(name, record)
+    events.emit("stage.done", stage=name, summary=result.summary, seconds=record["seconds"],
+                result=result.status.value)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
 
@@ -305,12 +332,40 @@ def sweep_leftovers(ws: Any) -> list[int]:
     return sorted(set(stopped))
 
 
+def _await_streams(ws: Any, stage: StageSpec, poll: float = 0.2) -> None:
+    """A stage that followed its streams (convert beside download) records its fingerprint
+    only once they are over: it takes in their final records, so the next run finds it done.
+    A followed stage whose process is gone while its record says running is over too."""
+    while True:
+        records = ws.read_state().get("stages", {})
+        running = [records.get(n) or {} for n in stage.streams]
+        if not any(r.get("status") == "running" and procs.alive(r.get("pid"),
+                                                                r.get("pid_start_time"))
+                   for r in running):
+            return
+        time.sleep(poll)
+
+
 def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
                     ) -> None:
     ws.write_stage_record(name, {
         "status": "failed", "started": started, "ended": now_iso(),
         "seconds": round(time.monotonic() - t0, 3), "error": error, "log": log,
     })
+    events.emit("stage.failed", stage=name, error=error, log=log)
+
+
+# a pipelined run names itself to the stage processes it starts: one whose parent is no
+# longer that run (killed outright: its children got the parent-death signal) says so
+SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
+
+
+def _orphaned() -> str:
+    """' (the run that started it, pid N, was killed)' for a stage process whose run died."""
+    raw = os.environ.get(SCHEDULER_PID_ENV, "")
+    if raw.isdigit() and os.getppid() != int(raw):
+        return f" (the run that started it, pid {raw}, was killed)"
+    return ""
 
 
 def _previous(name: str) -> str:
@@ -380,6 +435,7 @@ def run_pipeline(
     """Run the stages in order, skipping done ones; stop at the first failure."""
     results: list[tuple[str, StageResult]] = []
     skipped: list[str] = []
+    handed = _handed_options()
     for stage in stage_range(start, stop, force):
         # each stage is planned at its turn: one that just ran changes its dependents'
         # fingerprints, and planning all of them up front would fingerprint twice
@@ -398,8 +454,9 @@ def run_pipeline(
             on_stage(stage.name, "run")
         options = dict(ctx.options)
         options.update(stage.run_options)
-        options.update(_handed_options())
-        result = dispatch_stage(ctx, stage.name, options)
+        options.update(handed)
+        # handed options (a scheduler's: follow, jobs) go on into the container too
+        result = dispatch_stage(ctx, stage.name, options, standalone=bool(handed))
         results.append((stage.name, result))
         if not result.ok:
             return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)
@@ -422,15 +479,22 @@ def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
 
 
 def _handed_options() -> dict[str, Any]:
-    """The options of the stand-alone command that handed its stage to this `run` (inside)."""
-    raw = os.environ.get(STAGE_OPTIONS_ENV) if os.environ.get(IN_CONTAINER_ENV) else None
+    """The options handed to this `run` with its one stage: by the stand-alone command that
+    sent its stage into the container, or by the pipelined run that started this stage
+    process (mirrors, device, follow, jobs). Read once and taken out of the environment, so
+    the processes the stage starts do not take them for their own."""
+    raw = os.environ.pop(STAGE_OPTIONS_ENV, None)
     if not raw:
         return {}
     try:
         value = json.loads(raw)
     except ValueError:
-        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}") from None
-    return value if isinstance(value, dict) else {}
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}; it is set by "
+                         "dsv4-offload for its own stage processes: unset it") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not a JSON object: {raw[:80]!r}; it is set "
+                         "by dsv4-offload for its own stage processes: unset it")
+    return value
 
 
 def model_digest(value: BaseModel) -> str:
