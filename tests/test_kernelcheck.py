@@ -204,7 +204,7 @@ def _check(ws: Path, *, need_ascend: bool, run_setup: bool = False) -> kernelche
     started = time.time() - 1
     if run_setup:
         shutil.copyfile(os.environ["KT_EXT_FROM"], kt / "python" / EXT_NAME)
-    build.link_kt_kernel_package(kt)
+    kernelcheck.link_kt_kernel_package(kt)
     return kernelcheck.check_kernel(sys.executable, ws / "src/ktransformers", kt,
                                     dict(os.environ), started, need_ascend=need_ascend,
                                     log=ws / "check.log")

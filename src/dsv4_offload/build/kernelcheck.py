@@ -324,3 +324,21 @@ def _symbol(data: bytes, pos: int, wide: bool, end: str) -> tuple[int, int]:
     else:
         name, _value, _size, _info, _other, shndx = struct.unpack_from(end + "IIIBBH", data, pos)
     return name, shndx
+
+
+def link_kt_kernel_package(kt_kernel_dir: Path) -> None:
+    """Make `import kt_kernel` work from kt-kernel/: a `kt_kernel -> python` link (idempotent)."""
+    name, target = "kt_kernel", "python"  # `import kt_kernel` = kt-kernel/python
+    link = kt_kernel_dir / name
+    if not (kt_kernel_dir / target).is_dir():
+        return  # not this layout: the import check will say what is wrong
+    if link.is_symlink():
+        if os.readlink(link) == target:
+            return
+    elif link.exists():
+        return  # a real directory someone made: leave it alone
+    tmp = kt_kernel_dir / f".{name}.link-tmp"
+    if tmp.is_symlink():
+        tmp.unlink()
+    tmp.symlink_to(target)
+    os.replace(tmp, link)  # atomic: never a moment without a link on a rerun

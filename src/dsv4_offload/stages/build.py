@@ -58,7 +58,6 @@ NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
 # compilers a step may call by name that do not come from apt (bisheng ships with CANN)
 TOOLS_BY_NAME = ("bisheng", "cmake", "ninja", "make")
 PRODUCT_GLOBS = ("*kt_kernel_ext*.so", "libmxfp4fused.so")
-KT_KERNEL_PACKAGE = ("kt_kernel", "python")  # `import kt_kernel` = kt-kernel/python
 RUNTIME_STEPS = ("kt-kernel", "sglang")  # their workdirs go on the server's PYTHONPATH
 _QUICK_TIMEOUT_S = 60.0
 # a word of an expected marker that did not show -> the usual reason
@@ -592,7 +591,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
     if why and step.command and step.workdir and clean_build_dir(workdir):
         report.cleaned = why
     if step.name == KT_KERNEL_STEP:
-        link_kt_kernel_package(workdir)
+        kernelcheck.link_kt_kernel_package(workdir)
     hooks_before = _hooks(hooks_dir)
     t0 = time.monotonic()
     started = time.time() - 1  # mtime granularity: anything the command made is newer
@@ -756,24 +755,6 @@ def check_import(python: str, module: str, tree: Path, env: dict[str, str],
         return None
     lines = [x for x in result.tail if x.strip()]
     return lines[-1].strip() if lines else f"exit code {result.returncode}"
-
-
-def link_kt_kernel_package(kt_kernel_dir: Path) -> None:
-    """Make `import kt_kernel` work from kt-kernel/: a `kt_kernel -> python` link (idempotent)."""
-    name, target = KT_KERNEL_PACKAGE
-    link = kt_kernel_dir / name
-    if not (kt_kernel_dir / target).is_dir():
-        return  # not this layout: the import check will say what is wrong
-    if link.is_symlink():
-        if os.readlink(link) == target:
-            return
-    elif link.exists():
-        return  # a real directory someone made: leave it alone
-    tmp = kt_kernel_dir / f".{name}.link-tmp"
-    if tmp.is_symlink():
-        tmp.unlink()
-    tmp.symlink_to(target)
-    os.replace(tmp, link)  # atomic: never a moment without a link on a rerun
 
 
 def _products(workdir: Path) -> list[str]:
