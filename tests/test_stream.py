@@ -151,8 +151,11 @@ def test_two_processes_writing_stage_records_lose_nothing(tmp_path: Path) -> Non
 # --- convert --follow, one process after the other ------------------------------------------
 
 
-def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_path: Path
-                                                                          ) -> None:
+# two jobs: layers ready while both workers were busy must still start once the download
+# has ended (they were failed as "never arrived" when the workers finished together)
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_path: Path,
+                                                                          jobs: int) -> None:
     from dsv4_offload.stages import convert, verify_gguf
 
     src = write_synthetic_checkpoint(tmp_path / "src", DIMS, real_layout=True)
@@ -160,7 +163,7 @@ def test_follow_after_a_finished_download_converts_and_checks_every_layer(tmp_pa
     ws = tmp_path / "ws"
     with StandinHub([mxfp4, w8a8]) as hub:
         assert download.run(make_ctx(ws, sizes(mxfp4, w8a8), endpoint=hub.url)).ok
-    result = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=1))
+    result = convert.run(make_ctx(ws, sizes(mxfp4, w8a8), "convert", follow=True, jobs=jobs))
     assert result.status is Status.OK, result.problems
     assert result.data["converted"] == list(range(DIMS.layers))
     checks = json.loads((ws / "gguf" / ".dsv4-layer-checks.json").read_text())

@@ -259,6 +259,8 @@ class _Loop:
             for layer, outcome in workers.finished(POLL_S if workers.busy else 0):
                 self.done(layer, outcome)
             if view.ended and not workers.busy:
+                if any(set(self.shards[x]) <= view.verified for x in pending):
+                    continue  # ready, not started while the workers were busy: start them
                 if pending:
                     self.never_arrived(pending, view)
                     pending = []
