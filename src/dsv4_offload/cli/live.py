@@ -177,7 +177,7 @@ def plan_lines(items: list[Any], cpu: Any, disk: list[Any]) -> list[str]:
         if i.beside:
             notes.append("beside " + ", ".join(i.beside))
         if i.options.get("jobs"):
-            notes.append(f"{i.options['jobs']} jobs")
+            notes.append(_jobs(i.options["jobs"]))
         if notes:
             line += f"\n{'':12}       {escape('; '.join(notes))}"
         if i.steps:
@@ -185,7 +185,7 @@ def plan_lines(items: list[Any], cpu: Any, disk: list[Any]) -> list[str]:
         out.append(line)
     convert = (f"convert {cpu.convert_beside_build} beside build, then "
                f"{cpu.convert_alone or 'its default'}")
-    out.append(escape(f"cpu: {cpu.cores} cores: build {cpu.build_jobs} jobs, {convert}"))
+    out.append(escape(f"cpu: {cpu.cores} cores: build {_jobs(cpu.build_jobs)}, {convert}"))
     for fs in disk:
         word = styled("failed") if fs.short else styled("ok")
         out.append(f"disk: {word} "
@@ -220,3 +220,7 @@ def outcome_lines(outcome: Any) -> list[str]:
     else:
         out.append(escape(f"run done in {human_seconds(outcome.seconds)}: {what}"))
     return out
+
+
+def _jobs(n: int) -> str:
+    return f"{n} job" + ("" if n == 1 else "s")
