@@ -155,7 +155,7 @@ def shard_of(source: Path, layer: int) -> str:
 
 def test_convert_and_build_run_while_the_download_does(site: Site,
                                                       expected: dict[int, bytes]) -> None:
-    site.behave(build="burn 1", serve="start 0.5")
+    site.behave(build="burn 0.5", serve="start 0.5")
     res = site.run("--json", "run")
     assert res.code == 0, res
     docs = lines(res)
