@@ -185,6 +185,11 @@ def test_convert_and_build_run_while_the_download_does(site: Site,
     # each file travelled once
     assert all(n == len(site.repos[0 if repo == MXFP4_REPO else 1].files[path])
                for (repo, path), n in site.fetched().items()), site.fetched()
+    # the follower's record was written once the download's was done: a rerun skips all
+    site.hub.requests.clear()
+    again = lines(site.run("--json", "run"))
+    assert again[-1]["stages"] == dict.fromkeys(ALL, "skipped"), again[-1]
+    assert site.fetched() == {}
 
 
 def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path,
