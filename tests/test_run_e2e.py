@@ -246,9 +246,13 @@ def test_a_corrupt_shard_stops_only_its_layer_and_the_rerun_fetches_just_it(
     bad = shard_of(source, 1)
     site.repos[0].corrupt_served.add(bad)
     site.behave(build="burn 0.5")
-    res = site.run("--json", "run")
+    res = site.run("run")  # as a user reads it; the events are in the run's events file
     assert res.code == 1, res
-    docs = lines(res)
+    assert "run finished with download, convert stopped" in res.out, res
+    said = next(x for x in res.out.splitlines() if x.startswith("convert failed: "))
+    assert f"layer 1: its shard {bad} failed to download: sha256" in said, said
+    assert "blocked by it: verify-gguf, serve, accept" in res.out
+    docs = site.events()
     finished = docs[-1]
     branches = {b["stage"]: b for b in finished["failed"]}
     assert set(branches) == {"download", "convert"}, finished
