@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 from conftest import CLI, HOST_RECIPE, TESTS, CliResult, run_cli
+from serve_helpers import leftovers
 from standin_hub import HubRepo, StandinHub
 from test_stream import MXFP4_REPO, W8A8_REPO, repo_of, w8a8_repo
 
@@ -193,7 +194,8 @@ def test_convert_and_build_run_while_the_download_does(site: Site,
 
 
 def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path,
-                                                        expected: dict[int, bytes]) -> None:
+                                                        expected: dict[int, bytes],
+                                                        no_leftovers: str) -> None:
     site.behave(build="burn 0.5")
     proc = site.start("--json", "run")
     try:
@@ -210,6 +212,8 @@ def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path
             proc.wait()
     stage_pids = {d["pid"] for d in docs if d["event"] == "stage.started"}
     wait_for(lambda: not any(procs.alive(p) for p in stage_pids), "the stage processes' end")
+    # nothing of the killed run is left (stage processes, their sentinels and children)
+    wait_for(lambda: not leftovers(no_leftovers), "the killed run's processes to go")
     wait_for(lambda: site.record("download")["status"] != "running", "download's record")
     assert site.record("download")["status"] == "interrupted", site.record("download")
     assert "was killed" in site.record("download")["error"]
