@@ -204,12 +204,16 @@ class StandinHub:
                         req.sent += len(body)
                     return
                 step = max(1, int(rate / 10))
+                t0 = time.monotonic()
                 for i in range(0, len(body), step):
-                    self.wfile.write(body[i:i + step])
+                    chunk = body[i:i + step]
+                    self.wfile.write(chunk)
                     self.wfile.flush()
                     if req is not None:
-                        req.sent += len(body[i:i + step])
-                    time.sleep(step / rate)
+                        req.sent += len(chunk)
+                    # paced by the clock: `rate` bytes a second over the whole body (a last
+                    # short chunk waits only for its own bytes, writes take no extra time)
+                    time.sleep(max(0.0, t0 + (i + len(chunk)) / rate - time.monotonic()))
 
             def _json(self, value: object, head: bool = False, status: int = 200,
                       extra: dict[str, str] | None = None) -> None:

@@ -163,8 +163,8 @@ def test_failure_stops_the_run_with_a_failed_record(cli, ws: Path, fake_stages_e
     assert "told to fail" in st["build"]["reason"]
     assert st["build"]["log"].endswith("logs/build")
     behave(ws, "build", "raise")
-    for mode in (["--serial"], []):  # the graph prints the stage's own error line too
-        res = cli("-w", str(ws), "run", *mode, env=fake_stages_env)
+    for mode in (["--serial"], [], ["--json"]):  # the graph prints the stage's own error
+        res = cli("-w", str(ws), "run", *mode, env=fake_stages_env)  # line too, --json alike
         assert res.code == 2 and res.err.strip() == "error: build: bad input; fix it", res
     assert states(cli, ws, fake_stages_env)["build"]["state"] == "failed"
 

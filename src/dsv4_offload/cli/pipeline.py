@@ -144,9 +144,9 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
                     render_result(s.name, result, verbose=g.verbose)
         for line in live.outcome_lines(outcome)[-1 if g.quiet else 0:]:
             console().print(line, soft_wrap=True)
-        for s in outcome.failed:
-            if s.cli_error:  # the one line the stage's own command would have printed
-                err_console().print(escape(f"error: {s.cli_error}"), soft_wrap=True)
+    for s in outcome.failed:  # on stderr in every mode, --json too (as `run --serial` does)
+        if s.cli_error:  # the one line the stage's own command would have printed
+            err_console().print(escape(f"error: {s.cli_error}"), soft_wrap=True)
     if outcome.interrupted:
         sys.stderr.write(f"interrupted by {outcome.interrupted}\n"
                          if outcome.interrupted != "Ctrl-C" else "interrupted\n")

@@ -1,0 +1,3 @@
+from pipestages import standin
+
+run = standin("patch")
