@@ -363,7 +363,9 @@ class Bars:
         if layer in self.layers:
             self.layers[layer].advance(nbytes)
         rate = self.done / max(time.monotonic() - self.started, 1e-6) / 1e9
-        self.overall.update(completed=self.done, description=f"convert ({rate:.2f} GB/s)")
+        # following a download, the pace is the link's: MB/s, not "0.00 GB/s"
+        shown = f"{rate:.2f} GB/s" if rate >= 0.1 else f"{rate * 1000:.1f} MB/s"
+        self.overall.update(completed=self.done, description=f"convert ({shown})")
 
     def finish(self, layer: int) -> None:
         task = self.layers.pop(layer, None)
