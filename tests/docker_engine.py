@@ -17,6 +17,7 @@ that this module makes *outside* the line, so the line itself stays unchanged:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -125,9 +126,17 @@ def image_tarball(packages: tuple[str, ...] = IMAGE_PACKAGES) -> Path:
     """A minbase root filesystem tarball with ``packages``, made once and cached by its list."""
     key = hashlib.sha256(" ".join((SUITE, *packages)).encode()).hexdigest()[:12]
     tarball = CACHE / "images" / f"{SUITE}-{key}.tar"
+    tarball.parent.mkdir(parents=True, exist_ok=True)
+    # one maker at a time: `.ci/run` starts this file in the background (below) while the
+    # suite's workers may reach the engine test before it is done
+    with open(tarball.parent / ".lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _make_tarball(tarball, packages)
+
+
+def _make_tarball(tarball: Path, packages: tuple[str, ...]) -> Path:
     if tarball.exists():
         return tarball
-    tarball.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="dsv4-rootfs-", dir=tarball.parent) as tmp:
         rootfs = Path(tmp) / "rootfs"
         subprocess.run(["debootstrap", "--variant=minbase", f"--include={','.join(packages)}",
@@ -218,3 +227,8 @@ def running_engine(root: Path) -> Iterator[Engine]:
         yield engine
     finally:
         engine.stop()
+
+
+if __name__ == "__main__":  # .ci/run: the image, made while the rest is installed
+    if unavailable() is None:
+        print(image_tarball())
