@@ -205,8 +205,8 @@ class Engine:
             return
         with contextlib.suppress(subprocess.SubprocessError):
             ids = self.docker("ps", "-aq", check=False, timeout=30).stdout.split()
-            if ids:
-                self.docker("rm", "-f", *[i.decode() for i in ids], check=False, timeout=120)
+            if ids:  # killed, not removed: their vfs copies go with the data dir below
+                self.docker("kill", *[i.decode() for i in ids], check=False, timeout=120)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:

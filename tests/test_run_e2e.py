@@ -22,13 +22,13 @@ from conftest import CLI, HOST_RECIPE, TESTS, CliResult, run_cli
 from serve_helpers import leftovers
 from standin_hub import HubRepo, StandinHub
 from test_stream import MXFP4_REPO, W8A8_REPO, repo_of, w8a8_repo
+from test_stream_pair import reference_files, synthetic_source
 
 from dsv4_offload.core import procs
 from dsv4_offload.core.events import iter_file
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.weights import downloads
-from dsv4_offload.weights.checkpoint import INDEX_FILE, MoeDims, write_synthetic_checkpoint
-from dsv4_offload.weights.convert import convert_layer
+from dsv4_offload.weights.checkpoint import INDEX_FILE, MoeDims
 from dsv4_offload.weights.gguf_io import LayerLayout
 
 DIMS = MoeDims(layers=6, experts=8, experts_per_token=2, hidden=128, intermediate=64)
@@ -41,21 +41,12 @@ WAIT_S = 60
 
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", DIMS,
-                                      real_layout=True)
+    return synthetic_source(tmp_path_factory, DIMS)
 
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory, source: Path) -> dict[int, bytes]:
-    """Each layer's file as a plain conversion of the whole checkpoint writes it."""
-    recipe, _series = load_recipe_and_series(None)
-    out = tmp_path_factory.mktemp("reference")
-    files = {}
-    for layer in range(DIMS.layers):
-        final = out / GGUF.format(layer)
-        convert_layer(source, LayerLayout.for_layer(layer, DIMS, recipe.conversion), final)
-        files[layer] = final.read_bytes()
-    return files
+    return reference_files(tmp_path_factory, source, DIMS)
 
 
 def recipe_args(repos: list[HubRepo], source: Path) -> list[str]:

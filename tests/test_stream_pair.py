@@ -22,7 +22,7 @@ from test_stream import DIMS, MXFP4_REPO, repo_of, sizes, w8a8_repo
 from dsv4_offload.core.events import EVENTS_ENV, iter_file
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.weights import downloads
-from dsv4_offload.weights.checkpoint import INDEX_FILE, write_synthetic_checkpoint
+from dsv4_offload.weights.checkpoint import INDEX_FILE, MoeDims, write_synthetic_checkpoint
 from dsv4_offload.weights.convert import convert_layer
 from dsv4_offload.weights.gguf_io import LayerLayout
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
@@ -31,23 +31,32 @@ GGUF = "dsv4_layer{}_mxfp4.gguf"
 RATE = 200_000  # B/s: the whole download takes ~3 s
 
 
+def synthetic_source(factory: pytest.TempPathFactory, dims: MoeDims) -> Path:
+    """A synthetic MXFP4 checkpoint of ``dims`` in the real shard layout."""
+    return write_synthetic_checkpoint(factory.mktemp("src") / "ckpt", dims, real_layout=True)
+
+
+def reference_files(factory: pytest.TempPathFactory, source: Path, dims: MoeDims
+                    ) -> dict[int, bytes]:
+    """Each layer's file as a plain conversion of the whole checkpoint writes it."""
+    recipe, _series = load_recipe_and_series(None)
+    out = factory.mktemp("reference")
+    files = {}
+    for layer in range(dims.layers):
+        final = out / GGUF.format(layer)
+        convert_layer(source, LayerLayout.for_layer(layer, dims, recipe.conversion), final)
+        files[layer] = final.read_bytes()
+    return files
+
+
 @pytest.fixture(scope="module")
 def source(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_synthetic_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", DIMS,
-                                      real_layout=True)
+    return synthetic_source(tmp_path_factory, DIMS)
 
 
 @pytest.fixture(scope="module")
 def expected(tmp_path_factory: pytest.TempPathFactory, source: Path) -> dict[int, bytes]:
-    """Each layer's file as a plain conversion of the whole checkpoint writes it."""
-    recipe, _series = load_recipe_and_series(None)
-    out = tmp_path_factory.mktemp("reference")
-    files = {}
-    for layer in range(DIMS.layers):
-        final = out / GGUF.format(layer)
-        convert_layer(source, LayerLayout.for_layer(layer, DIMS, recipe.conversion), final)
-        files[layer] = final.read_bytes()
-    return files
+    return reference_files(tmp_path_factory, source, DIMS)
 
 
 class Pair:

@@ -66,10 +66,7 @@ def run(
         if g.json:
             emit(ctx, command="run", status="ok", data={"dry_run": True, "plan": data})
         elif g.quiet:
-            todo = [i.stage for i in items if i.action == "run"]
-            console().print(escape(f"run --dry-run: {len(todo)} to run"
-                                   + (f" ({', '.join(todo)})" if todo else "")
-                                   + f", {len(items) - len(todo)} not"), soft_wrap=True)
+            console().print(escape(_quiet_plan(items)), soft_wrap=True)
         else:
             for i in items:
                 console().print(f"{i.stage:12} {styled(i.action):>4}  {escape(i.reason)}")
@@ -118,10 +115,7 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
                 "dry_run": True, "mode": "pipelined", "plan": [i.as_dict() for i in items],
                 "cpu": cpu.as_dict(), "disk": [fs.as_dict() for fs in disk]})
         elif g.quiet:
-            todo = [i.stage for i in items if i.action == "run"]
-            console().print(escape(f"run --dry-run: {len(todo)} to run"
-                                   + (f" ({', '.join(todo)})" if todo else "")
-                                   + f", {len(items) - len(todo)} not"), soft_wrap=True)
+            console().print(escape(_quiet_plan(items)), soft_wrap=True)
         else:
             for line in live.plan_lines(items, cpu, disk):
                 console().print(line, soft_wrap=True)
@@ -246,3 +240,10 @@ def selftest(
        synthetic layer of the real layout, cosine >= 0.9999 (guide appendix D).
     """
     run_stage(ctx, "selftest", {"real_layer": real_layer})
+
+
+def _quiet_plan(items: Any) -> str:
+    """`run --dry-run -q`: one line, the stages to run and how many not."""
+    todo = [i.stage for i in items if i.action == "run"]
+    return (f"run --dry-run: {len(todo)} to run" + (f" ({', '.join(todo)})" if todo else "")
+            + f", {len(items) - len(todo)} not")

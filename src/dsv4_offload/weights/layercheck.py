@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.inputs import read_user_text
+from dsv4_offload.weights.downloads import unchanged_on_disk
 
 if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
@@ -345,10 +346,5 @@ def record_layer_check(out_dir: Path, name: str, check: LayerCheck | None, origi
 
 def still_checked(entry: Any, path: Path) -> bool:
     """``path`` is the very file a check record describes (same size and mtime)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("sha256"), str):
-        return False
-    try:
-        st = path.stat()
-    except OSError:
-        return False
-    return st.st_size == entry.get("size") and st.st_mtime_ns == entry.get("mtime_ns")
+    return (isinstance(entry, dict) and isinstance(entry.get("sha256"), str)
+            and unchanged_on_disk(path, entry))
