@@ -90,3 +90,10 @@ def no_leftovers(tmp_path: Path):  # type: ignore[no-untyped-def]
     from serve_helpers import leftover_guard
 
     yield from leftover_guard(tmp_path)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The `slow` tests last (a stable sort: the others keep their order): on a fresh
+    machine the real peer's wheel is still being built in the background (.ci/run) while
+    the rest runs, and a worker that reached the peer early would wait for it idle."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
