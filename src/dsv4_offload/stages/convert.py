@@ -17,7 +17,6 @@ import concurrent.futures as cf
 import functools
 import multiprocessing
 import queue
-import shutil
 import time
 from collections.abc import Callable
 from concurrent.futures.process import BrokenProcessPool
@@ -27,20 +26,22 @@ from typing import Any
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.convert import (
-    GIB,
+    DISK_FIX,
     Bars,
     LayerOutcome,
     convert_layer,
     default_jobs,
+    disk_shortfall,
+    file_size,
     gguf_dir,
     init_worker,
     layer_source,
+    make_out_dir,
     parse_layers,
     read_layer_sources,
     record_layer_source,
     source_change,
     source_dir,
-    temp_path,
     worker_progress,
 )
 from dsv4_offload.workspace.context import StageContext
@@ -152,10 +153,10 @@ def run(ctx: StageContext) -> StageResult:
     for layer in layers:
         final = out_dir / conv.file_name(layer)
         change = source_change(recorded.get(final.name), sources[layer])
-        if _size(final) == layouts[layer].file_bytes and not force and change is None:
+        if file_size(final) == layouts[layer].file_bytes and not force and change is None:
             skipped.append(layer)
             continue
-        if _size(final) == layouts[layer].file_bytes and not force and change:
+        if file_size(final) == layouts[layer].file_bytes and not force and change:
             redone[str(layer)] = change
         work.append((layouts[layer], final))
 
@@ -170,22 +171,15 @@ def run(ctx: StageContext) -> StageResult:
                            data={**base, "converted": []}, outputs=outputs)
 
     need = sum(layout.file_bytes for layout, _final in work)
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{out_dir}: cannot create it ({exc.strerror}); pass --gguf-dir "
-                         "on a writable disk") from None
+    make_out_dir(out_dir)
     for layout, final in work:
-        if 0 < _size(final) != layout.file_bytes:
+        if 0 < file_size(final) != layout.file_bytes:
             final.unlink()  # an incomplete file must not sit at a final name, even for a while
-    reusable = sum(_size(temp_path(final)) for _layout, final in work)  # O_TRUNC reuses these
-    free = shutil.disk_usage(out_dir).free
-    if free + reusable < need:
+    short = disk_shortfall(out_dir, work)
+    if short is not None:
         return StageResult(
             Status.FAILED, "not enough free disk for the conversion", data=base,
-            problems=[Problem("error", f"{out_dir}: {len(work)} layer files need "
-                              f"{need / GIB:.1f} GiB, {(free + reusable) / GIB:.1f} GiB free",
-                              "free space or pass --gguf-dir on a bigger disk", check="disk")])
+            problems=[Problem("error", short, DISK_FIX, check="disk")])
 
     jobs = int(ctx.option("jobs") or default_jobs(len(work)))
     if jobs < 1:
@@ -231,13 +225,6 @@ def run(ctx: StageContext) -> StageResult:
               "bytes": need, "gb_per_s": round(rate, 3), "repack": kernel_status()},
         outputs=outputs,
     )
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except (FileNotFoundError, NotADirectoryError):  # --gguf-dir under a file: said at mkdir
-        return 0
 
 
 def _run_following(ctx: StageContext) -> StageResult:

@@ -105,6 +105,39 @@ def temp_path(final: Path) -> Path:
     return final.with_name(final.name + ".tmp")
 
 
+def file_size(path: Path) -> int:
+    """The size of ``path``, 0 when it is absent (or under a file: said at mkdir)."""
+    try:
+        return path.stat().st_size
+    except (FileNotFoundError, NotADirectoryError):
+        return 0
+
+
+DISK_FIX = "free space or pass --gguf-dir on a bigger disk"
+
+
+def make_out_dir(out_dir: Path) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise InputError(f"{out_dir}: cannot create it ({exc.strerror}); pass --gguf-dir "
+                         "on a writable disk") from None
+
+
+def disk_shortfall(out_dir: Path, work: list[tuple[Any, Path]]) -> str | None:
+    """What is short when the layer files of ``work`` (layout, final path) do not fit in
+    the free space of ``out_dir`` plus their temp files (O_TRUNC reuses those); None when
+    they fit."""
+    import shutil
+
+    need = sum(layout.file_bytes for layout, _final in work)
+    free = shutil.disk_usage(out_dir).free + sum(file_size(temp_path(f)) for _l, f in work)
+    if free >= need:
+        return None
+    return (f"{out_dir}: {len(work)} layer files need {need / GIB:.1f} GiB, "
+            f"{free / GIB:.1f} GiB free")
+
+
 # --- what each layer file was made from ----------------------------------------------------
 
 # beside the layer files: file name -> the fingerprint of the source it was converted from

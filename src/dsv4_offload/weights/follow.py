@@ -37,11 +37,15 @@ from dsv4_offload.core import events
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.weights import downloads, layercheck
 from dsv4_offload.weights.convert import (
+    DISK_FIX,
     Bars,
     convert_layer,
     default_jobs,
+    disk_shortfall,
+    file_size,
     init_worker,
     layer_source,
+    make_out_dir,
     parse_layers,
     read_layer_sources,
     record_layer_source,
@@ -194,11 +198,16 @@ def follow(ctx: StageContext, source: Path, out_dir: Path) -> Followed:
             raise InputError(f"--jobs {jobs}: must be at least 1")
         jobs = min(jobs, len(layers))
         result = Followed(layers, dims, layouts, jobs=jobs)
-        _check_disk(out_dir, [(layouts[x], out_dir / names[x]) for x in layers])
+        make_out_dir(out_dir)
+        # the layer files not complete yet: the room they need, the bytes the bar counts
+        todo = [(layouts[x], out_dir / names[x]) for x in layers
+                if file_size(out_dir / names[x]) != layouts[x].file_bytes]
+        short = disk_shortfall(out_dir, todo)
+        if short is not None:
+            raise Dsv4Error(short, hint=DISK_FIX)
         loop = _Loop(ctx, ckpt, source, out_dir, result, shards, names, force,
                      expected or {}, origin if expected is not None else "")
-        bars = Bars(ctx, sum(layouts[x].file_bytes for x in layers
-                             if _size(out_dir / names[x]) != layouts[x].file_bytes), t0)
+        bars = Bars(ctx, sum(layout.file_bytes for layout, _final in todo), t0)
         workers = _Workers(jobs, bars)
         interrupted = True
         try:
@@ -282,7 +291,7 @@ class _Loop:
             self.fail(layer, f"layer {layer}: {exc}", REFETCH_FIX)
             return
         made_of = source_change(read_layer_sources(self.out_dir).get(name), self.sources[layer])
-        present = _size(final) == layout.file_bytes and made_of is None and not self.force
+        present = file_size(final) == layout.file_bytes and made_of is None and not self.force
         if present and layercheck.still_checked(
                 layercheck.read_layer_checks(self.out_dir).get(name), final):
             self.result.skipped.append(layer)
@@ -293,7 +302,7 @@ class _Loop:
             record_layer_source(self.out_dir, name, None)
             layercheck.record_layer_check(self.out_dir, name, None)
             forget_manifest_entries(self.out_dir, [name])
-            if 0 < _size(final) != layout.file_bytes:
+            if 0 < file_size(final) != layout.file_bytes:
                 final.unlink()
             with contextlib.suppress(FileNotFoundError):
                 temp_path(final).unlink()
@@ -347,32 +356,4 @@ class _Loop:
                 if layer in done:
                     done.remove(layer)
         return stale
-
-
-def _check_disk(out_dir: Path, work: list[tuple[Any, Path]]) -> None:
-    """Room for every layer file not complete yet, before the first byte (as without
-    --follow; the download's own bytes are its own check)."""
-    import shutil
-
-    from dsv4_offload.weights.convert import GIB
-
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise InputError(f"{out_dir}: cannot create it ({exc.strerror}); pass --gguf-dir "
-                         "on a writable disk") from None
-    todo = [(layout, final) for layout, final in work if _size(final) != layout.file_bytes]
-    need = sum(layout.file_bytes for layout, _final in todo)
-    free = shutil.disk_usage(out_dir).free + sum(_size(temp_path(f)) for _l, f in todo)
-    if free < need:
-        raise Dsv4Error(f"{out_dir}: {len(todo)} layer files need {need / GIB:.1f} GiB, "
-                        f"{free / GIB:.1f} GiB free", hint="free space or pass --gguf-dir on "
-                        "a bigger disk")
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except (FileNotFoundError, NotADirectoryError):
-        return 0
 
