@@ -32,6 +32,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 # Files at or above this size are "LFS" files on the HF side (listing carries a sha256).
@@ -396,3 +398,12 @@ def tiny_model_repo(repo_id: str, *, commit: str | None = None) -> HubRepo:
     if commit:
         repo.commit = commit
     return repo
+
+
+def isolate_clients(tmp_path: Path, monkeypatch: Any) -> None:
+    """The real hub clients keep tokens and caches under HF_HOME and MODELSCOPE_CACHE: those
+    go inside the test's tmp dir, and no endpoint or offline switch of the caller leaks in."""
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
+    for var in ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HF_HUB_OFFLINE"):
+        monkeypatch.delenv(var, raising=False)

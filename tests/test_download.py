@@ -8,7 +8,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from standin_hub import StandinHub, tiny_model_repo
+from standin_hub import StandinHub, isolate_clients, tiny_model_repo
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Status
@@ -24,11 +24,7 @@ SHARD = "model-00001-of-00001.safetensors"
 
 @pytest.fixture(autouse=True)
 def _client_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the clients keep tokens and caches under these; keep them inside the test's tmp dir
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-    for var in ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    isolate_clients(tmp_path, monkeypatch)
 
 
 @pytest.fixture

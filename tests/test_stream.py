@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
-from standin_hub import HubRepo, StandinHub, tiny_model_repo
+from standin_hub import HubRepo, StandinHub, isolate_clients, tiny_model_repo
 
 from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
@@ -30,10 +30,7 @@ DIMS = MoeDims(layers=4, experts=8, experts_per_token=2, hidden=128, intermediat
 
 @pytest.fixture(autouse=True)
 def _client_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
-    monkeypatch.setenv("MODELSCOPE_CACHE", str(tmp_path / "ms-cache"))
-    for var in ("HF_ENDPOINT", "MODELSCOPE_ENDPOINT", "HF_HUB_OFFLINE"):
-        monkeypatch.delenv(var, raising=False)
+    isolate_clients(tmp_path, monkeypatch)
 
 
 def repo_of(root: Path, repo_id: str) -> HubRepo:
