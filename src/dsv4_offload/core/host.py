@@ -491,14 +491,21 @@ def _probe_python_modules(python: str | None, modules: list[str], search: str,
     return {m: found.get(m) for m in modules}
 
 
+def nearest_existing(path: Path) -> Path:
+    """``path``, or its nearest ancestor that exists: where a directory still to be made
+    will live (its free space, its filesystem)."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
 def _probe_disk(root: Path, workspace: Path | None) -> int | None:
     if root != Path("/"):
         captured = _read(root / CAPTURED_DF_FILE)
         if captured is not None:
             return parse_df(captured)
-    path = (workspace or Path.cwd()).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent  # the workspace may not exist yet: measure where it will be
+    # the workspace may not exist yet: measure where it will be
+    path = nearest_existing((workspace or Path.cwd()).absolute())
     try:
         return shutil.disk_usage(path).free
     except OSError:

@@ -35,6 +35,7 @@ from typing import Any
 from dsv4_offload.core import proxies
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.host import nearest_existing
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import downloads, hubs
@@ -723,10 +724,7 @@ def _extra_files(local_dir: Path, listing: hubs.HubListing) -> list[str]:
 
 def _disk_shortfall(local_dir: Path, need: int) -> int | None:
     """Free bytes where ``local_dir`` lives, if fewer than ``need``; else None."""
-    probe = local_dir
-    while not probe.exists():
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(nearest_existing(local_dir)).free
     return free if free < need else None
 
 

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core.host import nearest_existing
+from dsv4_offload.weights.convert import GIB
+
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
     from dsv4_offload.workspace.store import Workspace
 
-GIB = 1024**3
 SETS = ("w8a8", "mxfp4", "gguf")
 
 
@@ -76,13 +78,6 @@ def bytes_under(directory: Path) -> int:
     return total
 
 
-def _existing(path: Path) -> Path:
-    probe = path
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    return probe
-
-
 def set_needs(recipe: Recipe, ws: Workspace, sets: tuple[str, ...] = SETS) -> list[SetNeed]:
     """Each named set (``w8a8``, ``mxfp4``: downloaded; ``gguf``: converted)."""
     out = []
@@ -101,7 +96,7 @@ def by_filesystem(needs: list[SetNeed]) -> list[FsNeed]:
     """The sets grouped by the filesystem their directory is (or will be) on."""
     found: dict[int, FsNeed] = {}
     for need in needs:
-        probe = _existing(need.directory)
+        probe = nearest_existing(need.directory)
         device = probe.stat().st_dev
         fs = found.get(device)
         if fs is None:
