@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.inflight import human_bytes
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe.lock import apply_source_locks
 from dsv4_offload.sources import git as gitsrc
@@ -83,7 +84,7 @@ def run(ctx: StageContext) -> StageResult:
     unreachable = sum(1 for r in rows if r.get("cache") == "failed"
                       and r.get("unreachable", True))
     summary = (f"{placed}/{len(rows)} sources at their pinned commits; {fetched} fetched "
-               f"({_human(total_bytes)}), {cached} from the cache"
+               f"({human_bytes(total_bytes)}), {cached} from the cache"
                + (f", {unreachable} unreachable" if unreachable else ""))
     warned = any(p.severity == "warning" for p in problems)
     status = Status.FAILED if failed else (Status.WARN if warned else Status.OK)
@@ -158,11 +159,3 @@ def _check_gitlink(ctx: StageContext, source: Any, problems: list[Problem]) -> N
         problems.append(Problem(
             "info", f"{source.name}: {parent.name} records {recorded[:12]} at {rel}; the recipe "
             f"pins {source.pinned[:12]}", check=source.name))
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"
