@@ -31,7 +31,7 @@ from pathlib import Path
 from dsv4_offload.recipe import load_recipe
 from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
 from dsv4_offload.weights.gguf_io import LayerLayout
-from dsv4_offload.weights.layercheck import compare_with_source, hash_files
+from dsv4_offload.weights.layerverify import compare_with_source, hash_files
 
 REAL_LAYER = MoeDims(layers=1, experts=256, experts_per_token=6, hidden=4096, intermediate=2048)
 NEEDED_BYTES = 12 * 10**9  # source 3.3 GB + its cp copy 3.3 GB + our layer 3.4 GB + slack
@@ -41,7 +41,7 @@ from pathlib import Path
 from dsv4_offload.weights.checkpoint import MoeDims
 from dsv4_offload.weights.gguf_io import LayerLayout
 from dsv4_offload.recipe import load_recipe
-from dsv4_offload.weights.convert import convert_layer
+from dsv4_offload.weights.conversion import convert_layer
 dims = MoeDims(*map(int, sys.argv[3:8]))
 layout = LayerLayout.for_layer(0, dims, load_recipe().conversion)
 t0 = time.perf_counter()

@@ -26,7 +26,7 @@ from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.stages import convert
-from dsv4_offload.weights import convert as layer_options
+from dsv4_offload.weights import conversion as layer_options
 from dsv4_offload.weights.checkpoint import (
     INDEX_FILE,
     MoeDims,

@@ -23,7 +23,7 @@ from dsv4_offload.core.events import EVENTS_ENV, iter_file
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.weights import downloads
 from dsv4_offload.weights.checkpoint import INDEX_FILE, MoeDims, write_synthetic_checkpoint
-from dsv4_offload.weights.convert import convert_layer
+from dsv4_offload.weights.conversion import convert_layer
 from dsv4_offload.weights.gguf_io import LayerLayout
 from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
 

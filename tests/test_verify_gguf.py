@@ -73,7 +73,7 @@ def test_good_files_pass_all_levels_and_get_a_manifest(workspace: Path, checkpoi
     own = parse_manifest((workspace / "gguf" / OWN_MANIFEST).read_text(), OWN_MANIFEST)
     assert sorted(own) == [FILE.format(i) for i in range(3)]
     again = run_cli("-w", str(workspace), "--json", "verify-gguf", "--source", str(checkpoint),
-                    "--no-kernel")  # level 4 (kt-kernel): tests/test_layercheck.py
+                    "--no-kernel")  # level 4 (kt-kernel): tests/test_layerforward.py
     assert again.code == 0, again
     doc = again.json()
     assert doc["status"] == "ok" and doc["data"]["data"]["levels"] == {"1": "ok", "2": "ok",

@@ -14,7 +14,7 @@ import time
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights import downloads
 from dsv4_offload.weights.checkpoint import CONFIG_FILE, parse_config
-from dsv4_offload.weights.convert import gguf_dir
+from dsv4_offload.weights.conversion import gguf_dir
 from dsv4_offload.weights.gguf_io import read_own_manifest
 from dsv4_offload.workspace.context import StageContext
 from pipestages import behave, note, number, ready_file

@@ -1,6 +1,6 @@
 """One kt-kernel MoE forward in a child process, judged against a numpy reference.
 
-What the `selftest` stage and the real-layer check (verify-gguf level 4, `build/layercheck`)
+What the `selftest` stage and the real-layer check (verify-gguf level 4, `build/layerforward`)
 share: where the built ``kt_kernel_ext`` is, the child's command line (the build python, or
 an emulated one), and one run: write the inputs and the spec, start ``selftest_child.py``
 with a timeout through the runner, read its output back and judge it (``moecheck.judge``).

@@ -82,11 +82,11 @@ def main_options(
 
 def _set_runtime(value: str | None) -> None:
     """``--runtime``: one spelling for this process, its environment's (DSV4_RUNTIME), which
-    workspace/contexts.py reads."""
+    workspace/placement.py reads."""
     import os
 
     from dsv4_offload.core.errors import InputError
-    from dsv4_offload.workspace.contexts import RUNTIME_CHOICES, RUNTIME_ENV
+    from dsv4_offload.workspace.placement import RUNTIME_CHOICES, RUNTIME_ENV
 
     if value is None:
         return

@@ -152,7 +152,7 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
         find_container,
         plan_container,
     )
-    from dsv4_offload.workspace.contexts import runs_in_container
+    from dsv4_offload.workspace.placement import runs_in_container
 
     record = sctx.workspace.read_state().get("stages", {}).get(stage) or {}
     if not record.get("container") or not runs_in_container(sctx.recipe, stage):

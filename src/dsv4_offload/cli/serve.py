@@ -129,7 +129,7 @@ def _print_inside(ctx: typer.Context, sctx: Any) -> str:
         find_container,
         plan_container,
     )
-    from dsv4_offload.workspace.contexts import runs_in_container
+    from dsv4_offload.workspace.placement import runs_in_container
 
     if not runs_in_container(sctx.recipe, "serve"):
         return ""

@@ -38,7 +38,7 @@ from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
 from dsv4_offload.weights import diskplan
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.contexts import STAGE_OPTIONS_ENV
+from dsv4_offload.workspace.placement import STAGE_OPTIONS_ENV
 from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV
 
 POLL_S = 0.1
@@ -53,7 +53,7 @@ ERROR_CODES = (ExitCode.FAILED, ExitCode.INVALID_INPUT, ExitCode.NOT_IMPLEMENTED
 
 def can_follow(stage: StageSpec) -> bool:
     """Whether the stage's module follows its streams (``FOLLOWS = True``)."""
-    module = P._load_module(stage)
+    module = P.load_stage_module(stage)
     return bool(getattr(module, "FOLLOWS", False)) if module is not None else False
 
 

@@ -4,7 +4,7 @@ acceptance, host requirements) and the patch series it applies.
 Both are YAML validated by pydantic with unknown keys rejected; every error names the file,
 the line, the field and what to write instead. The modules: ``fields`` (shared field types),
 ``sections`` and ``model`` (the schema), ``yamldoc`` (YAML with line numbers), ``overrides``
-(`--set`), ``lock`` (full SHAs of abbreviated pins), ``load`` (the one way a recipe is made),
+(`--set`), ``sourcelock`` (full SHAs of abbreviated pins), ``load`` (the one way a recipe is made),
 ``reference`` (docs/recipe-reference.md). This module re-exports what the rest of the package
 uses, so callers import from ``dsv4_offload.recipe``.
 """

@@ -12,10 +12,10 @@ from pydantic import (
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe.fields import BUNDLED_RECIPES, BUNDLED_SERIES, DEFAULT_RECIPE
-from dsv4_offload.recipe.lock import apply_source_locks
 from dsv4_offload.recipe.model import Origin, Recipe
 from dsv4_offload.recipe.overrides import apply_overrides, override_locations
 from dsv4_offload.recipe.sections import Series
+from dsv4_offload.recipe.sourcelock import apply_source_locks
 from dsv4_offload.recipe.yamldoc import (
     Located,
     line_of,

@@ -66,7 +66,7 @@ class Source(Strict):
     patched: bool = Field(True, description="whether the series may target it")
     license: str | None = Field(None, description="its license, for provenance")
 
-    # the full SHA a commit_prefix resolved to, from the workspace's lock (recipe.lock)
+    # the full SHA a commit_prefix resolved to, from the workspace's lock (recipe.sourcelock)
     _locked_commit: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")

@@ -13,7 +13,7 @@
    install) are checked, and installed when missing: both are lost when it is recreated.
 3. ``exec_argv`` / ``run_stage_inside``: a stage run in the container by this same tool, on
    the same workspace; the host lends it the workspace lock for that time. `run` and the
-   stand-alone stage commands both come here when ``workspace.contexts`` says so. Variables
+   stand-alone stage commands both come here when ``workspace.placement`` says so. Variables
    cross by name (``docker exec -e NAME``, the value in the client's own environment): the
    launcher knobs the serve plan reads (``env_read``) and the recipe's env
    names, when exported; never a value on argv.
@@ -51,7 +51,7 @@ from dsv4_offload.core.runner import (
     start,
 )
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
-from dsv4_offload.workspace.contexts import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
+from dsv4_offload.workspace.placement import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
 from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV, Workspace
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from dsv4_offload.core.host import parse_version, version_at_least
 from dsv4_offload.core.results import SKIP, Check, Problem
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.contexts import CONTAINER, context_of
+from dsv4_offload.workspace.placement import CONTAINER, placement_of
 from dsv4_offload.workspace.store import HANDOFF_ENV
 
 if TYPE_CHECKING:
@@ -27,8 +27,8 @@ BARRIER_GCC = "11"
 
 def image_side(recipe: Recipe, inside: bool) -> str | None:
     """The image whose toolchain the build uses, when that is not this machine's: the
-    recipe builds in its container (workspace/contexts.py) and this process is outside."""
-    if context_of(recipe, "build") != CONTAINER or inside:
+    recipe builds in its container (workspace/placement.py) and this process is outside."""
+    if placement_of(recipe, "build") != CONTAINER or inside:
         return None
     return recipe.runtime.image
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.runner import capture, redact
 from dsv4_offload.recipe.fields import GIT_URL_SCHEMES, git_url_problem
-from dsv4_offload.recipe.lock import read_source_locks
+from dsv4_offload.recipe.sourcelock import read_source_locks
 from dsv4_offload.workspace.store import CACHE_ENV, cache_root
 
 if TYPE_CHECKING:

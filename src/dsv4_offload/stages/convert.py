@@ -25,7 +25,7 @@ from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
-from dsv4_offload.weights.convert import (
+from dsv4_offload.weights.conversion import (
     DISK_FIX,
     Bars,
     LayerOutcome,

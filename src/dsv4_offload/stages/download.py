@@ -39,7 +39,7 @@ from dsv4_offload.core.host import nearest_existing
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import downloads, hubs
-from dsv4_offload.weights import lock as wlock
+from dsv4_offload.weights import weightlock as wlock
 from dsv4_offload.weights.checkpoint import INDEX_FILE
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json

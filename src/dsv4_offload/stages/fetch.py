@@ -15,7 +15,7 @@ from typing import Any
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.inflight import human_bytes
 from dsv4_offload.core.results import Problem, StageResult, Status
-from dsv4_offload.recipe.lock import apply_source_locks
+from dsv4_offload.recipe.sourcelock import apply_source_locks
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
 

@@ -61,7 +61,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 def write_layer(recipe: Recipe, test: Selftest, root: Path) -> tuple[Path, Path]:
     """(checkpoint dir, GGUF file) of the synthetic layer, written afresh under ``root``."""
     from dsv4_offload.weights.checkpoint import MoeDims, write_synthetic_checkpoint
-    from dsv4_offload.weights.convert import convert_layer
+    from dsv4_offload.weights.conversion import convert_layer
     from dsv4_offload.weights.gguf_io import LayerLayout
 
     dims = MoeDims(1, test.experts, test.top_k, test.hidden, test.intermediate)
@@ -191,7 +191,7 @@ def _real_layer(ctx: StageContext, data: dict[str, Any], outputs: dict[str, Any]
                 passed: str) -> StageResult:
     """The rehearsal of verify-gguf's level 4: a synthetic converted layer of the real layout
     through kt-kernel (the small layer passed: a kernel that fails it fails this too)."""
-    from dsv4_offload.build.layercheck import rehearse
+    from dsv4_offload.build.layerforward import rehearse
 
     check = rehearse(ctx)
     data["real_layer"] = check.as_dict()

@@ -11,11 +11,11 @@
    values, which would let -0 pass for +0).
 4. A layer through kt-kernel (guide appendix D): one verified layer file run by the built
    kt-kernel against the numpy reference from the source, cosine >= 0.9999
-   (`build/layercheck`; `--no-kernel` or `selftest.real_layer.enabled: false` skip it).
+   (`build/layerforward`; `--no-kernel` or `selftest.real_layer.enabled: false` skip it).
 On success the digests are merged into `gguf-sha256.txt` beside the files.
 
 Layers `convert` already checked as it wrote them (a convert that followed the download:
-the same checks, weights/layercheck.py, with a bit-exact sample of every layer) and that
+the same checks, weights/layerverify.py, with a bit-exact sample of every layer) and that
 are unchanged since (size and mtime) are not read again: their recorded digest stands for
 level 2, their sample for the default level 3 (an explicit `--deep N` compares anyway).
 """
@@ -31,8 +31,8 @@ from typing import Any
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Problem, StageResult, Status
-from dsv4_offload.weights.convert import default_jobs, gguf_dir, parse_layers, source_dir
-from dsv4_offload.weights.layercheck import (  # the checks convert runs per layer, too
+from dsv4_offload.weights.conversion import default_jobs, gguf_dir, parse_layers, source_dir
+from dsv4_offload.weights.layerverify import (  # the checks convert runs per layer, too
     check_delivery_manifest,
     compare_with_source,
     deep_layers,
@@ -42,7 +42,7 @@ from dsv4_offload.weights.layercheck import (  # the checks convert runs per lay
     read_layer_checks,
     still_checked,
 )
-from dsv4_offload.weights.layercheck import redo as _redo
+from dsv4_offload.weights.layerverify import redo as _redo
 from dsv4_offload.workspace.context import StageContext
 
 __all__ = ["check_delivery_manifest", "deep_layers", "expected_digests", "run"]
@@ -81,7 +81,7 @@ def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: R
     """Each file against the source it was converted from (recorded by convert): a file of
     the right shape made from other weights passes every other level, so it is named here."""
     from dsv4_offload.weights.checkpoint import Checkpoint
-    from dsv4_offload.weights.convert import layer_source, read_layer_sources, source_change
+    from dsv4_offload.weights.conversion import layer_source, read_layer_sources, source_change
 
     recorded = read_layer_sources(out_dir)
     digests: dict[Path, str] = {}
@@ -162,7 +162,7 @@ def run(ctx: StageContext) -> StageResult:
     digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report, prechecked)
     _level3(ctx, layouts, paths, source if has_source else None, jobs, report, prechecked)
     if not report.failed:
-        from dsv4_offload.build.layercheck import level4
+        from dsv4_offload.build.layerforward import level4
 
         report.levels["4"], found, kernel = level4(ctx, paths, source if has_source else None)
         report.problems += found

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.host import nearest_existing
-from dsv4_offload.weights.convert import GIB
+from dsv4_offload.weights.conversion import GIB
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe

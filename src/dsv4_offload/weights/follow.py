@@ -7,7 +7,7 @@ every shard holding its experts, and check it right after, while the rest still 
    starts (in layer order, up to ``jobs`` at once: in this process with one job, else in
    worker processes); a layer whose shard failed in this download fails alone, naming the
    file, the reason and the fix, and the others go on.
-3. Each layer is written (weights/convert.py) and then checked (weights/layercheck.py:
+3. Each layer is written (weights/conversion.py) and then checked (weights/layerverify.py:
    size and header, sha256 against the known digests, a bit-exact sample of its experts);
    what passed is recorded per layer (its source, its check), so a restart resumes where
    it was and `verify-gguf` later reads nothing again.
@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core import events
 from dsv4_offload.core.errors import Dsv4Error, InputError
-from dsv4_offload.weights import downloads, layercheck
-from dsv4_offload.weights.convert import (
+from dsv4_offload.weights import downloads, layerverify
+from dsv4_offload.weights.conversion import (
     DISK_FIX,
     Bars,
     convert_layer,
@@ -83,13 +83,13 @@ class Followed:
 
 def _layer_job(source: str, layout: Any, final: str, convert: bool, expected: str | None,
                origin: str, progress: Callable[[int], None] | None = None
-               ) -> layercheck.LayerCheck:
+               ) -> layerverify.LayerCheck:
     """Write the layer (unless it is there already, made from this source) and check it."""
     if convert:
         report = progress if progress is not None else worker_progress(layout.layer)
         convert_layer(Path(source), layout, Path(final), report)
         events.emit("layer.converted", stage="convert", layer=layout.layer)
-    return layercheck.check_layer(Path(source), layout, Path(final), expected, origin)
+    return layerverify.check_layer(Path(source), layout, Path(final), expected, origin)
 
 
 class _Workers:
@@ -191,7 +191,7 @@ def follow(ctx: StageContext, source: Path, out_dir: Path) -> Followed:
         shards = downloads.layer_shards(ckpt.weight_map)
         layouts = {layer: LayerLayout.for_layer(layer, dims, conv) for layer in layers}
         names = {layer: conv.file_name(layer) for layer in layers}
-        expected, origin = layercheck.expected_digests(ctx, names, dims == recipe_dims(conv),
+        expected, origin = layerverify.expected_digests(ctx, names, dims == recipe_dims(conv),
                                                        out_dir)
         jobs = int(ctx.option("jobs") or default_jobs(len(layers)))
         if jobs < 1:
@@ -292,15 +292,15 @@ class _Loop:
             return
         made_of = source_change(read_layer_sources(self.out_dir).get(name), self.sources[layer])
         present = file_size(final) == layout.file_bytes and made_of is None and not self.force
-        if present and layercheck.still_checked(
-                layercheck.read_layer_checks(self.out_dir).get(name), final):
+        if present and layerverify.still_checked(
+                layerverify.read_layer_checks(self.out_dir).get(name), final):
             self.result.skipped.append(layer)
             self.ctx.event("layer.verified", layer=layer, already=True)
             return
         if not present:
             # until it is rewritten and checked, the file vouches for nothing
             record_layer_source(self.out_dir, name, None)
-            layercheck.record_layer_check(self.out_dir, name, None)
+            layerverify.record_layer_check(self.out_dir, name, None)
             forget_manifest_entries(self.out_dir, [name])
             if 0 < file_size(final) != layout.file_bytes:
                 final.unlink()
@@ -321,7 +321,7 @@ class _Loop:
         self.converting.discard(layer)
         if isinstance(outcome, Dsv4Error):
             self.fail(layer, f"layer {layer}: {outcome.one_line()}",
-                      outcome.hint or layercheck.redo(layer))
+                      outcome.hint or layerverify.redo(layer))
             return
         if not outcome.ok:
             record_layer_source(self.out_dir, name, None)  # the rerun converts it again
@@ -329,7 +329,7 @@ class _Loop:
             self.fail(layer, message, fix)
             return
         record_layer_source(self.out_dir, name, self.sources[layer])
-        layercheck.record_layer_check(self.out_dir, name, outcome,
+        layerverify.record_layer_check(self.out_dir, name, outcome,
                                       self.origin or "recorded")
         (self.result.converted if converted else self.result.checked).append(layer)
         self.ctx.event("layer.verified", layer=layer, sha256=outcome.sha256)

@@ -236,7 +236,7 @@ def synthetic_layer(ctx: StageContext) -> tuple[Path, Path, int]:
     place when both are whole, so an interrupted write is never reused.
     """
     from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
-    from dsv4_offload.weights.convert import convert_layer
+    from dsv4_offload.weights.conversion import convert_layer
     from dsv4_offload.weights.gguf_io import LayerLayout
 
     cfg, conv = ctx.recipe.selftest.real_layer, ctx.recipe.conversion

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from conftest import run_cli
 
-from dsv4_offload.build import layercheck, moecheck, moerun
+from dsv4_offload.build import layerforward, moecheck, moerun
 from dsv4_offload.core.results import Status
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.stages import convert, selftest, verify_gguf
@@ -46,7 +46,7 @@ def install_standin(ctx: StageContext) -> Path:
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_synthetic_checkpoint(tmp_path_factory.mktemp("src") / "ckpt", DIMS, seed=5,
-                                      exponents=layercheck.EXPONENTS)
+                                      exponents=layerforward.EXPONENTS)
 
 
 @pytest.fixture(scope="module")
@@ -67,29 +67,29 @@ def workspace(tmp_path: Path, pristine: Path) -> Path:
 
 
 def test_experts_spread_over_the_layer_ends_included() -> None:
-    assert layercheck.pick_experts(256, 8) == [0, 36, 73, 109, 146, 182, 219, 255]
-    assert layercheck.pick_experts(4, 8) == [0, 1, 2, 3]
-    assert layercheck.pick_experts(256, 1) == [0]
+    assert layerforward.pick_experts(256, 8) == [0, 36, 73, 109, 146, 182, 219, 255]
+    assert layerforward.pick_experts(4, 8) == [0, 1, 2, 3]
+    assert layerforward.pick_experts(256, 1) == [0]
 
 
 def test_tokens_route_to_distinct_chosen_experts_and_use_them_all() -> None:
-    chosen = layercheck.pick_experts(256, 8)
-    run = layercheck.routed_inputs(4096, chosen, 6, 4, seed=1)
+    chosen = layerforward.pick_experts(256, 8)
+    run = layerforward.routed_inputs(4096, chosen, 6, 4, seed=1)
     ids = run["ids"]
     assert ids.shape == (4, 6) and run["x"].dtype == np.uint16
     assert all(len(set(row)) == 6 for row in ids.tolist())
     assert set(ids.ravel().tolist()) == set(chosen)  # 0 and 255: both ends of each tensor
     np.testing.assert_allclose(run["weights"].sum(axis=1), 1, rtol=1e-6)
-    again = layercheck.routed_inputs(4096, chosen, 6, 4, seed=1)
+    again = layerforward.routed_inputs(4096, chosen, 6, 4, seed=1)
     assert all(np.array_equal(run[k], again[k]) for k in run)  # deterministic
 
 
 def test_reference_per_expert_equals_the_dense_reference(checkpoint: Path) -> None:
-    chosen = layercheck.pick_experts(DIMS.experts, 8)
-    runs = [layercheck.routed_inputs(DIMS.hidden, chosen, 6, t, seed=3) for t in (4, 16)]
+    chosen = layerforward.pick_experts(DIMS.experts, 8)
+    runs = [layerforward.routed_inputs(DIMS.hidden, chosen, 6, t, seed=3) for t in (4, 16)]
     with Checkpoint.open(checkpoint) as ckpt:
-        refs = layercheck.references(ckpt, 1, runs)
-        mats = [layercheck.dequantized_expert(ckpt, 1, e) for e in range(DIMS.experts)]
+        refs = layerforward.references(ckpt, 1, runs)
+        mats = [layerforward.dequantized_expert(ckpt, 1, e) for e in range(DIMS.experts)]
     gate, up, down = (np.stack([m[i] for m in mats]) for i in range(3))
     for run, ref in zip(runs, refs, strict=True):
         want = moecheck.reference_moe(moecheck.from_bf16_bits(run["x"]), run["ids"],

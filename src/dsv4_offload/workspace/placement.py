@@ -1,8 +1,8 @@
-"""Where each stage and build step runs: the one decision (issue 17, "execution contexts").
+"""Where each stage and build step runs, its placement: host or container (the one decision).
 
 The recipe says it: a stage named in ``runtime.stages`` of a ``runtime.kind: container``
 recipe runs in the recipe's image, every other stage on the host; a build step runs where the
-build stage runs. ``context_of`` reads that and nothing else; ``runs_in_container`` adds what
+build stage runs. ``placement_of`` reads that and nothing else; ``runs_in_container`` adds what
 this process knows (already inside, or told ``--runtime host``) and is what `run` and the
 stand-alone stage commands both ask before running a stage.
 """
@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
 
-Context = Literal["host", "container"]
-HOST: Context = "host"
-CONTAINER: Context = "container"
+Placement = Literal["host", "container"]
+HOST: Placement = "host"
+CONTAINER: Placement = "container"
 IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by our `docker exec`: this process is inside
 # `--runtime host` spelled in the environment: every stage here, whatever the recipe says
 RUNTIME_ENV = "DSV4_RUNTIME"
@@ -32,7 +32,7 @@ BUILD_STAGE = "build"
 _warned: set[str] = set()
 
 
-def context_of(recipe: Recipe, stage: str) -> Context:
+def placement_of(recipe: Recipe, stage: str) -> Placement:
     """Where the recipe puts ``stage``: 'container' or 'host'."""
     runtime = recipe.runtime
     if runtime.kind == "container" and stage in runtime.stages:
@@ -40,12 +40,12 @@ def context_of(recipe: Recipe, stage: str) -> Context:
     return HOST
 
 
-def step_context(recipe: Recipe, step: str) -> Context:
+def step_placement(recipe: Recipe, step: str) -> Placement:
     """Where the recipe puts build step ``step``: where its build stage runs."""
     names = [s.name for s in recipe.build.steps]
     if step not in names:
         raise KeyError(f"recipe {recipe.name} has no build step {step!r} ({', '.join(names)})")
-    return context_of(recipe, BUILD_STAGE)
+    return placement_of(recipe, BUILD_STAGE)
 
 
 def forced_host() -> bool:
@@ -60,7 +60,7 @@ def runs_in_container(recipe: Recipe, stage: str) -> bool:
     (said once on stderr), nor from inside some container without a docker client (the
     operator entered the image by hand, as the guide does): there the stage runs where it is.
     """
-    if context_of(recipe, stage) != CONTAINER:
+    if placement_of(recipe, stage) != CONTAINER:
         return False
     if os.environ.get(IN_CONTAINER_ENV):
         return False

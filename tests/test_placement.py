@@ -14,7 +14,7 @@ from conftest import CLI, TESTS
 
 from dsv4_offload.core.registry import STAGE_NAMES
 from dsv4_offload.recipe import BUNDLED_RECIPES, load_recipe
-from dsv4_offload.workspace.contexts import context_of, step_context
+from dsv4_offload.workspace.placement import placement_of, step_placement
 
 IN_IMAGE = {"build", "selftest", "serve", "accept"}  # the 910B recipe's runtime.stages
 EXPECTED = {
@@ -30,13 +30,13 @@ def test_every_bundled_recipe_says_where_each_stage_and_build_step_runs() -> Non
     assert bundled == sorted(EXPECTED), "a new bundled recipe: say where its stages run here"
     for name in bundled:
         recipe = load_recipe(name)
-        assert {s: context_of(recipe, s) for s in STAGE_NAMES} == EXPECTED[name], name
+        assert {s: placement_of(recipe, s) for s in STAGE_NAMES} == EXPECTED[name], name
         steps = [s.name for s in recipe.build.steps]
         assert steps, name
-        assert {s: step_context(recipe, s) for s in steps} == dict.fromkeys(
+        assert {s: step_placement(recipe, s) for s in steps} == dict.fromkeys(
             steps, EXPECTED[name]["build"]), name
     with pytest.raises(KeyError):
-        step_context(load_recipe("dsv4-flash-910b"), "no-such-step")
+        step_placement(load_recipe("dsv4-flash-910b"), "no-such-step")
 
 
 def test_the_serve_plan_env_reads_are_all_in_the_crossing_list() -> None:

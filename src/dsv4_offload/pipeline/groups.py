@@ -1,0 +1,56 @@
+"""The process groups of a running stage, noted so a killed run's leftovers are found.
+
+Each child a stage starts leads its own process group (core/runner). They are noted in
+run/groups-<stage> (core/procs.GroupNotes) while the stage runs; a sentinel process that
+outlives us stops them if we die without cleaning up (SIGKILL), and the next run sweeps
+whatever is left all the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from dsv4_offload.core import procs
+from dsv4_offload.core.runner import KILL_GRACE_S, start_sentinel, watch_groups
+
+
+def _groups_file(ws: Any, name: str) -> Any:
+    return ws.run_dir / f"groups-{name}"
+
+
+@contextlib.contextmanager
+def groups_noted(ws: Any, name: str, owner: procs.Identity) -> Iterator[None]:
+    notes = procs.GroupNotes(_groups_file(ws, name))
+    notes.begin(owner)
+    sentinel = start_sentinel([sys.executable, "-m", "dsv4_offload.core.procs", "sweep",
+                               str(notes.path)])
+    try:
+        with watch_groups(notes.note):
+            yield
+    finally:  # every group was stopped on the way out (the runner's rule)
+        notes.path.unlink(missing_ok=True)
+        if sentinel is not None:
+            sentinel.release()
+        with contextlib.suppress(OSError):
+            notes.path.parent.rmdir()  # only when empty: nothing of ours is left
+
+
+def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
+    """Processes still running from stages whose run was killed outright."""
+    found: list[int] = []
+    for path in sorted(ws.run_dir.glob(f"groups-{name or '*'}")):
+        found += procs.GroupNotes(path).leftovers()
+    return found
+
+
+def sweep_leftovers(ws: Any) -> list[int]:
+    """Stop what is left of stages whose run was killed outright (TERM, then KILL)."""
+    stopped: list[int] = []
+    for path in sorted(ws.run_dir.glob("groups-*")):
+        stopped += procs.GroupNotes(path).sweep(KILL_GRACE_S)
+    with contextlib.suppress(OSError):
+        ws.run_dir.rmdir()  # only when empty
+    return sorted(set(stopped))

@@ -1,0 +1,268 @@
+"""The serial run (`run --serial`): the stages in order, resume, force, dry-run plan, and
+the hand-over of a stage to the container when the recipe says so."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from dsv4_offload.core import events, procs
+from dsv4_offload.core.clock import now_iso
+from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
+from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
+from dsv4_offload.core.results import StageResult
+from dsv4_offload.core.runner import interrupt_name
+from dsv4_offload.pipeline.fingerprint import fingerprint, load_stage_module, model_digest
+from dsv4_offload.pipeline.groups import groups_noted, sweep_leftovers
+from dsv4_offload.pipeline.status import NOT_APPLICABLE, not_applicable_reason, stage_status
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.placement import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
+
+
+def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
+    """Run one stage now (the caller holds the lock) and record the outcome."""
+    stage = spec(name)
+    why_not = not_applicable_reason(ctx, name)
+    if why_not:
+        raise InputError(f"stage '{name}' is {why_not} (its not_applicable list); stop "
+                         "there with `run --to` that stage, or use a recipe that has it")
+    module = load_stage_module(stage)
+    if module is None or not hasattr(module, "run"):
+        raise NotImplementedStage(
+            f"stage '{name}' is not implemented in this version of dsv4-offload; "
+            f"stop before it with `run --to {_previous(name)}`"
+        )
+    sub = ctx.for_stage(name, options)
+    if events.events_file() is not None:  # a stage process of a pipelined run
+        sub = replace(sub, progress=events.EventProgress(name, sub.progress))
+    ws = ctx.workspace
+    sweep_leftovers(ws)
+    started = now_iso()
+    t0 = time.monotonic()
+    me = procs.identity()
+    # a running record replaces any earlier 'done': a killed rerun must not look finished
+    ws.write_stage_record(name, {"status": "running", "pid": me.pid,
+                                 "pid_start_time": me.start_time, "started": started,
+                                 "log": str(sub.log_dir)})
+    events.emit("stage.started", stage=name, log=str(sub.log_dir),
+                options={k: v for k, v in (options or {}).items()
+                         if v and isinstance(v, (bool, int, float, str))})
+    try:
+        with groups_noted(ws, name, me):
+            result: StageResult = module.run(sub)
+    except KeyboardInterrupt as exc:
+        how = interrupt_name(exc) + _orphaned()
+        ws.write_stage_record(name, {
+            "status": "interrupted", "signal": interrupt_name(exc), "started": started,
+            "ended": now_iso(), "seconds": round(time.monotonic() - t0, 3),
+            "error": f"interrupted by {how}", "log": str(sub.log_dir)})
+        events.emit("stage.interrupted", stage=name, signal=interrupt_name(exc))
+        raise
+    except Dsv4Error as exc:
+        _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
+        raise
+    except Exception as exc:
+        _record_failure(ws, name, started, t0, f"internal error: {exc!r}", str(sub.log_dir))
+        raise
+    if result.log is None:
+        result.log = str(sub.log_dir)
+    if not result.ok:
+        first = next((p for p in result.problems if p.severity == "error"), None)
+        error = result.summary + (f": {first.message}" if first else "")
+        _record_failure(ws, name, started, t0, error, result.log)
+        return result
+    if sub.option("follow"):
+        _await_streams(ws, stage)
+    # taken after the run: a stage may declare inputs that its own work settles (the
+    # serve stage's "is the server up"); recipe fields and upstream records cannot change
+    fp = fingerprint(sub, stage, ws.read_state())
+    record = {
+        "status": "done", "started": started, "ended": now_iso(),
+        "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,
+        "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
+        "log": result.log,
+    }
+    inside = os.environ.get(IN_CONTAINER_ENV)
+    if inside:
+        record["container"] = inside  # where its processes live (serve stop/status go there)
+    ws.write_stage_record(name, record)
+    events.emit("stage.done", stage=name, summary=result.summary, seconds=record["seconds"],
+                result=result.status.value)
+    if result.outputs:
+        ws.update_provenance(name, result.outputs)
+
+    ws.update_provenance("recipe", {
+        "name": ctx.recipe.name, "file": str(ctx.recipe.file or ""),
+        "digest": model_digest(ctx.recipe), "series": ctx.series.name,
+        "series_digest": model_digest(ctx.series),
+    })
+    return result
+
+
+def _await_streams(ws: Any, stage: StageSpec, poll: float = 0.2) -> None:
+    """A stage that followed its streams (convert beside download) records its fingerprint
+    only once they are over: it takes in their final records, so the next run finds it done.
+    A followed stage whose process is gone while its record says running is over too."""
+    while True:
+        records = ws.read_state().get("stages", {})
+        running = [records.get(n) or {} for n in stage.streams]
+        if not any(r.get("status") == "running" and procs.alive(r.get("pid"),
+                                                                r.get("pid_start_time"))
+                   for r in running):
+            return
+        time.sleep(poll)
+
+
+def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
+                    ) -> None:
+    ws.write_stage_record(name, {
+        "status": "failed", "started": started, "ended": now_iso(),
+        "seconds": round(time.monotonic() - t0, 3), "error": error, "log": log,
+    })
+    events.emit("stage.failed", stage=name, error=error, log=log)
+
+
+# a pipelined run names itself to the stage processes it starts: one whose parent is no
+# longer that run (killed outright: its children got the parent-death signal) says so
+SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
+
+
+def _orphaned() -> str:
+    """' (the run that started it, pid N, was killed)' for a stage process whose run died."""
+    raw = os.environ.get(SCHEDULER_PID_ENV, "")
+    if raw.isdigit() and os.getppid() != int(raw):
+        return f" (the run that started it, pid {raw}, was killed)"
+    return ""
+
+
+def _previous(name: str) -> str:
+    idx = STAGE_NAMES.index(name)
+    return STAGE_NAMES[idx - 1] if idx else name
+
+
+@dataclass
+class PlanItem:
+    stage: str
+    action: str  # run | skip
+    reason: str
+    steps: list[str] = field(default_factory=list)  # build: its steps, in order
+
+
+def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
+                ) -> tuple[StageSpec, ...]:
+    """The stages from --from to --to, in order (every name checked, --force's too)."""
+    names = list(STAGE_NAMES)
+    lo = names.index(spec(start).name) if start else 0
+    hi = names.index(spec(stop).name) if stop else len(names) - 1
+    if lo > hi:
+        raise InputError(f"--from {start} comes after --to {stop}; swap them")
+    for f in force:
+        spec(f)
+    return STAGES[lo : hi + 1]
+
+
+def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
+         force: tuple[str, ...] = ()) -> list[PlanItem]:
+    stages = stage_range(start, stop, force)
+    state = ctx.workspace.read_state()
+    memo: dict[str, dict[str, str]] = {}
+    items = []
+    for s in stages:
+        steps = [b.name for b in ctx.recipe.build.steps] if s.name == "build" else []
+        if s.name in force:
+            items.append(PlanItem(s.name, "run", "forced", steps))
+            continue
+        st = stage_status(ctx, s, state, memo)
+        where = (f" (in container {ctx.recipe.runtime.name})"
+                 if runs_in_container(ctx.recipe, s.name) else "")
+        if st.state == NOT_APPLICABLE:
+            items.append(PlanItem(s.name, "skip", st.reason, steps))
+        elif st.state == "done":
+            items.append(PlanItem(s.name, "skip", "done, inputs unchanged", steps))
+        else:
+            items.append(PlanItem(s.name, "run", (st.reason or st.state) + where, steps))
+    return items
+
+
+@dataclass
+class RunOutcome:
+    results: list[tuple[str, StageResult]]
+    skipped: list[str]
+    exit_code: ExitCode
+    stopped_at: str | None = None
+
+
+def run_pipeline(
+    ctx: StageContext,
+    start: str | None = None,
+    stop: str | None = None,
+    force: tuple[str, ...] = (),
+    on_stage: Callable[[str, str], None] | None = None,
+) -> RunOutcome:
+    """Run the stages in order, skipping done ones; stop at the first failure."""
+    results: list[tuple[str, StageResult]] = []
+    skipped: list[str] = []
+    handed = _handed_options()
+    for stage in stage_range(start, stop, force):
+        # each stage is planned at its turn: one that just ran changes its dependents'
+        # fingerprints, and planning all of them up front would fingerprint twice
+        if not_applicable_reason(ctx, stage.name):
+            # a recipe that ends early (x86 development) passes these; `status` says why
+            if on_stage:
+                on_stage(stage.name, NOT_APPLICABLE)
+            continue
+        current = plan(ctx, stage.name, stage.name, force)[0]
+        if current.action == "skip":
+            skipped.append(stage.name)
+            if on_stage:
+                on_stage(stage.name, "skip")
+            continue
+        if on_stage:
+            on_stage(stage.name, "run")
+        options = dict(ctx.options)
+        options.update(stage.run_options)
+        options.update(handed)
+        # handed options (a scheduler's: follow, jobs) go on into the container too
+        result = dispatch_stage(ctx, stage.name, options, standalone=bool(handed))
+        results.append((stage.name, result))
+        if not result.ok:
+            return RunOutcome(results, skipped, ExitCode.FAILED, stopped_at=stage.name)
+    return RunOutcome(results, skipped, ExitCode.OK)
+
+
+def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
+                   standalone: bool = False) -> StageResult:
+    """Run one stage where the recipe puts it (workspace/placement.py): here, or in the
+    recipe's container. `run` and the stand-alone stage commands both come through here;
+    ``standalone`` hands the command's own options to the `run` inside."""
+    if runs_in_container(ctx.recipe, name):
+        from dsv4_offload.serving.container import run_stage_inside
+
+        # the stage's own check of the container, before the hand-over (build: its compiler)
+        before = getattr(load_stage_module(spec(name)), "before_container", None)
+        # the container's own `run` records the stage in the shared state file
+        return run_stage_inside(ctx, name, options, options if standalone else None, before)
+    return run_stage(ctx, name, options)
+
+
+def _handed_options() -> dict[str, Any]:
+    """The options handed to this `run` with its one stage: by the stand-alone command that
+    sent its stage into the container, or by the pipelined run that started this stage
+    process (mirrors, device, follow, jobs). Read once and taken out of the environment, so
+    the processes the stage starts do not take them for their own."""
+    raw = os.environ.pop(STAGE_OPTIONS_ENV, None)
+    if not raw:
+        return {}
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}; it is set by "
+                         "dsv4-offload for its own stage processes: unset it") from None
+    if not isinstance(value, dict):
+        raise InputError(f"{STAGE_OPTIONS_ENV} is not a JSON object: {raw[:80]!r}; it is set "
+                         "by dsv4-offload for its own stage processes: unset it")
+    return value
