@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core.digests import file_sha256
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.events import EVENTS_ENV
 from dsv4_offload.core.runner import (
@@ -318,10 +319,6 @@ def build_self_wheel(dest_dir: Path) -> Path:
 
 def _b64sha(data: bytes) -> str:
     return base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-
-
-def file_sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 # --- up / status / down ---------------------------------------------------------------------

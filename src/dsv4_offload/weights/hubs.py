@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.digests import file_sha256, hash_file
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.runner import open_private_log, redact
 
 HUBS = ("huggingface", "modelscope")
 DEFAULT_ENDPOINTS = {"huggingface": "https://huggingface.co", "modelscope": "https://modelscope.cn"}
 ENDPOINT_ENV = {"huggingface": "HF_ENDPOINT", "modelscope": "MODELSCOPE_ENDPOINT"}
-HASH_CHUNK = 8 << 20
 MAX_LISTED_PATH = 1024
 # a transfer under this rate for STALL_SECONDS is stalled (git's own low-speed limit, 1 KB/s)
 STALL_BYTES_PER_S = 1000
@@ -362,22 +362,9 @@ def forget_local_copy(hub: str, local_dir: Path, path: str) -> None:
             p.unlink()
 
 
-def _hash_file(h: Any, path: Path, on_bytes: Callable[[int], None] | None) -> str:
-    with open(path, "rb") as fh:
-        while chunk := fh.read(HASH_CHUNK):
-            h.update(chunk)
-            if on_bytes:
-                on_bytes(len(chunk))
-    return str(h.hexdigest())
-
-
-def file_sha256(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
-    return _hash_file(hashlib.sha256(), path, on_bytes)
-
-
 def git_blob_oid(path: Path, on_bytes: Callable[[int], None] | None = None) -> str:
     # git blob id, not security
-    return _hash_file(hashlib.sha1(f"blob {path.stat().st_size}\0".encode()), path, on_bytes)
+    return hash_file(hashlib.sha1(f"blob {path.stat().st_size}\0".encode()), path, on_bytes)
 
 
 def check_content(local: Path, expected: HubFile,

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.clock import now_iso
+from dsv4_offload.core.digests import file_sha256
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.inputs import read_user_text
 from dsv4_offload.weights.downloads import unchanged_on_disk
@@ -32,7 +33,6 @@ from dsv4_offload.weights.downloads import unchanged_on_disk
 if TYPE_CHECKING:
     from dsv4_offload.workspace.context import StageContext
 
-HASH_CHUNK = 16 * 2**20
 MAX_DIFFS_PER_LAYER = 8
 SAMPLE_EXPERTS = 4  # compared bit for bit per layer when convert checks its own output
 CHECKS_FILE = ".dsv4-layer-checks.json"  # beside the layer files: name -> what passed
@@ -73,19 +73,6 @@ def file_problems(layer: int, layout: Any, path: Path) -> list[tuple[str, str, s
 # --- the digest ----------------------------------------------------------------------------
 
 
-def sha256_file(path: Path, advance: Any = None) -> str:
-    """sha256 of a file, read once in large chunks (hashlib releases the GIL on them)."""
-    digest = hashlib.sha256()
-    buf = bytearray(HASH_CHUNK)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as fh:
-        while n := fh.readinto(buf):
-            digest.update(view[:n])
-            if advance is not None:
-                advance(n)
-    return digest.hexdigest()
-
-
 def _thread_safe(advance: Any) -> Any:
     """``advance`` callable from several threads (a Task's advance is a read-modify-write)."""
     if advance is None:
@@ -102,7 +89,7 @@ def _thread_safe(advance: Any) -> Any:
 def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, str]:
     locked_advance = _thread_safe(advance)
     with cf.ThreadPoolExecutor(max(1, jobs), thread_name_prefix="sha256") as pool:
-        digests = pool.map(lambda p: sha256_file(p, locked_advance), paths)
+        digests = pool.map(lambda p: file_sha256(p, locked_advance), paths)
         return dict(zip(paths, digests, strict=True))
 
 
@@ -302,7 +289,7 @@ def check_layer(source: Path, layout: Any, path: Path, expected: str | None,
     result.problems = file_problems(layout.layer, layout, path)
     if result.problems:
         return result
-    result.sha256 = sha256_file(path, advance)
+    result.sha256 = file_sha256(path, advance)
     if expected is not None and expected != result.sha256:
         result.problems.append((
             f"layer {layout.layer}: {path.name} sha256 {result.sha256[:16]}… differs from "
