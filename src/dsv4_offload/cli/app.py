@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -177,7 +177,7 @@ def _click_exception_types() -> tuple[_ExcTypes, _ExcTypes, _ExcTypes]:
     return tuple(usage), tuple(aborts), tuple(exits)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
     """Console entry point: expected failures print one line and exit with their code."""
     usage_errors, aborts, exits = _click_exception_types()
 

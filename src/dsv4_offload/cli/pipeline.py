@@ -5,7 +5,7 @@ Only typer and cli.kit at import time; the pipeline, stages and rich load inside
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -96,7 +96,7 @@ def run(
 
 
 def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str | None,
-                   force: tuple[str, ...], dry_run: bool) -> None:
+                   force: tuple[str, ...], dry_run: bool) -> NoReturn:
     """`run` on the stage graph (schedule.py); what it shows is cli/live.py's."""
     import sys
 

@@ -6,7 +6,7 @@ Only typer and cli.kit at import time; the supervisor, probes and rich load insi
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -79,7 +79,7 @@ def serve(
     _serve_foreground(ctx, options)
 
 
-def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> None:
+def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> NoReturn:
     """Like kit.run_stage, but the server's log reaches the console even on a pipe."""
     import sys
 

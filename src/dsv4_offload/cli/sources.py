@@ -5,7 +5,7 @@ Only typer and cli.kit at import time; git, the series code and rich load inside
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NoReturn
 
 import typer
 
@@ -358,7 +358,7 @@ def patch_rebase(
 
 
 def _bisect(ctx: typer.Context, pctx: Any, items: list[str], junit: str | None,
-            markdown: str | None, mirrors: dict[str, list[str]]) -> None:
+            markdown: str | None, mirrors: dict[str, list[str]]) -> NoReturn:
     from pathlib import Path
 
     from dsv4_offload.sources import carry
