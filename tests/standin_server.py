@@ -19,6 +19,15 @@ a prompt of N tokens or more logs its prefill and never answers. --anon-mib N ho
 touched anonymous memory before it is ready (as kt-kernel's copied experts are held), and
 --child-anon-mib N starts a child that holds N MiB (sglang's scheduler is a child process);
 the child exits when its parent does.
+
+Dynamic residency (sglang/0003): a prompt of KT_PREFILL_STREAM_THRESHOLD tokens (512 unless
+the environment says otherwise) or more streams, and with KT_PREFILL_STREAM,
+KT_DYNAMIC_RESIDENT and KT_MXFP4_DEPOOL on (the launcher's defaults when unset) it moves the
+resident experts and logs 0003's `inline resident` line. --resident-write says how that
+write goes: `fixed` (the default, the bundled series carries our fix) also logs the fix's
+`resident write verified` line; `broken` (the delivery's series unmodified on torch_npu)
+logs nothing more, and from then on every answer comes from stale expert weights: a
+different text that leaks `</think>`, until the server restarts.
 """
 
 from __future__ import annotations
@@ -51,6 +60,13 @@ FATAL_LINES = {
 GOOD_ANSWERS = {
     "中国": "北京。北京是中华人民共和国的首都，也是全国的政治和文化中心。",
     "france": " Paris. Paris is the capital and the largest city of France.",
+}
+# what a known prompt gets once the resident slots hold stale weights: still on topic (a
+# keyword probe passes), but another text than the greedy answer before, with the think
+# block's closing tag leaking into a non-thinking answer (the second team's 60 %)
+DRIFTED_ANSWERS = {
+    "中国": "北京</think>城市的历史很长，人口众多，交通方便，有很多公园和博物馆。",
+    "france": " Paris</think> is where the river bends twice and the old bridges hold museums.",
 }
 GENERIC = ("The report describes how the system was measured over several weeks, which "
            "parts were slow, and what the team changed to make each step faster.")
@@ -87,6 +103,7 @@ class State:
         self.streams = 0
         self.lock = threading.Lock()
         self.counter = itertools.count()
+        self.stale_experts = False  # a broken resident write has happened (until restart)
 
 
 def count_tokens(text: str) -> int:
@@ -108,12 +125,25 @@ def answer(state: State, prompt: str, max_tokens: int) -> str:
         return " " + " ".join(words)
     key = next((k for k in GOOD_ANSWERS if k in prompt.lower()), None)
     text = GOOD_ANSWERS[key] if key else " " + GENERIC
+    if state.stale_experts and key:
+        text = DRIFTED_ANSWERS[key]
     if mode == "repeat-char":
         text = text[:12] + "!" * 60
     if mode == "nondeterministic":
         text += f" (variant {next(state.counter)})"
     words = text.split(" ")
     return " ".join(words[: max(1, max_tokens)]) if " " in text else text
+
+
+def stream_threshold() -> int:
+    raw = os.environ.get("KT_PREFILL_STREAM_THRESHOLD", "")
+    return int(raw) if raw.isdigit() else 512  # launch_ds4flash_npu.sh L98
+
+
+def residency_on() -> bool:
+    """Streaming prefill, dynamic residency and depool all on: the launcher's defaults."""
+    return all(os.environ.get(k, "1") == "1"
+               for k in ("KT_PREFILL_STREAM", "KT_DYNAMIC_RESIDENT", "KT_MXFP4_DEPOOL"))
 
 
 def pieces(text: str) -> list[str]:
@@ -240,8 +270,14 @@ class Handler(BaseHTTPRequestHandler):
               "0.00, #running-req: 0, #queue-req: 0, ", flush=True)
         if args.slow_prefill_over and n >= args.slow_prefill_over:
             time.sleep(3600)  # a prefill far slower than the client's read timeout
-        if n >= 512:
-            # sglang/0003's line once residency folds into a streamed prefill (patch L997)
+        if n >= stream_threshold() and residency_on():
+            # sglang/0003's line once residency folds into a streamed prefill (patch L997);
+            # the first layer's write comes before it, and our fix's check with it
+            if args.resident_write == "fixed":
+                print(f"[KT_STREAM] resident write verified: layer 0 slot 0 holds expert "
+                      f"{17 + n % 200}", flush=True)
+            else:
+                self.st.stale_experts = True
             print("[KT_STREAM] inline resident: top-32 x 43 layers folded into prefill, "
                   "share=0.612", flush=True)
         if args.fallback_over and n >= args.fallback_over:
@@ -330,6 +366,7 @@ def main() -> int:
     parser.add_argument("--no-startup-lines", action="store_true")
     parser.add_argument("--anon-mib", type=int, default=0)
     parser.add_argument("--child-anon-mib", type=int, default=0)
+    parser.add_argument("--resident-write", choices=("fixed", "broken"), default="fixed")
     parser.add_argument("--tag", default="")
     parser.add_argument("--report", default=None,
                         help="write the argv and environment this process got (JSON) there")

@@ -72,6 +72,7 @@ def test_good_server_passes_with_the_delivery_method_report_chart_and_provenance
     assert names[7:] == ["log has 'weights loaded'", "log has 'depool slot reserved'",
                          "log has 'KV pool sized'", "log has 'NPU graph captured'",
                          "log without 'streaming prefill fell back'",
+                         "log without 'resident write failed'",
                          "log without 'GGUF dedup without a template'",
                          "log without 'slot reserve failed at load'"]
     buckets = result.data["throughput"]

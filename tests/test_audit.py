@@ -177,3 +177,35 @@ def test_a_tree_git_cannot_search_is_unchecked_not_passed(ws: Path) -> None:
     assert report.sources["ktransformers"].startswith("absent: git grep failed: ")
     item = by_marker(report, r"Ascend NPU \(CANN\) backend selected")
     assert item.verdict == audit.UNCHECKED and "absent: ktransformers" in item.detail
+
+
+def test_our_resident_write_lines_are_found_in_the_patched_sglang_only_when_applied(
+        ws: Path, tmp_path: Path) -> None:
+    from test_patch_zero_context import (
+        RESIDENT_FIX,
+        STREAM_FILE,
+        resident_fix,
+        stand_in_stream_file,
+    )
+
+    from dsv4_offload.recipe import Source
+    from dsv4_offload.sources import series as series_mod
+
+    sglang = ws / KT / "third_party/sglang"
+    commit_repo(sglang, {STREAM_FILE: stand_in_stream_file()})
+    head = subprocess.run(["git", "-C", str(sglang), "rev-parse", "HEAD"], check=True,
+                          capture_output=True, text=True).stdout.strip()
+    entry, data = resident_fix()
+    outcome = series_mod.apply_target(
+        sglang, Source(name="sglang", url="file:///nowhere", commit=head, path="sglang"),
+        [series_mod.LoadedPatch(entry, data, f"{RESIDENT_FIX}.patch")], tmp_path / "log")
+    assert outcome.status == "applied", outcome
+    report = run_audit(ws)
+    ours = [i for i in report.items if "resident write" in i.marker]
+    assert sorted(i.kind for i in ours) == ["forbidden", "required"]
+    for item in ours:
+        assert item.verdict == audit.FOUND, item
+        assert item.where.startswith(f"sglang/{STREAM_FILE}:"), item
+    # a recipe that serves the delivery's series unmodified expects neither line
+    skipped = run_audit(ws, f"series_skip=[{RESIDENT_FIX}]")
+    assert not [i for i in skipped.items if "resident write" in i.marker]

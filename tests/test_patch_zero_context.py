@@ -105,3 +105,125 @@ def test_bundled_x86_patch_is_pure_additions_and_matches_its_digest() -> None:
     names = [p.name for p in s.patches]
     # after the delivery's 0002, whose moe.hpp it extends
     assert names.index(ours.name) == names.index("kt-kernel-cpu-moe-mxfp4-kernel") + 1
+
+
+# --- our fix of sglang/0003's resident-expert write ------------------------------------------
+
+STREAM_FILE = "python/sglang/srt/layers/moe/kt_stream_prefill.py"
+RESIDENT_FIX = "sglang-resident-write-through"
+
+
+def resident_fix() -> tuple[PatchEntry, bytes]:
+    s = load_series(BUNDLED_SERIES / "dsv4-flash.yaml")
+    (entry,) = [p for p in s.patches if p.name == RESIDENT_FIX]
+    return entry, (BUNDLED_SERIES / entry.origin.file).read_bytes()  # type: ignore[operator]
+
+
+def stand_in_stream_file() -> str:
+    """kt_stream_prefill.py as sglang/0003 creates it, by line count only: lines of ours up to
+    line 982 (the last of 0003's four index_select writes, where our hunk goes), inside the
+    function our lines extend, and no line of the delivery's."""
+    head = ["def _apply_resident_layer_depool(L, layer, w13, s13b, w2, s2b, top, torch):"]
+    body = [f"    pass  # stand-in for line {i} of the file after sglang/0003"
+            for i in range(2, 983)]
+    return "\n".join(head + body) + "\n"
+
+
+def test_bundled_resident_write_fix_is_ours_and_follows_0003() -> None:
+    entry, data = resident_fix()
+    assert entry.method == "unidiff-zero" and entry.upstream == "local" and entry.risk
+    assert hashlib.sha256(data).hexdigest() == entry.sha256
+    assert series_mod.zero_context_problem(data) is None
+    s = load_series(BUNDLED_SERIES / "dsv4-flash.yaml")
+    names = [p.name for p in s.patches]
+    assert names.index(RESIDENT_FIX) == names.index("sglang-streaming-prefill-depool") + 1
+    # the hunk goes right after kt_stream_prefill.py:982, the last of the four writes
+    assert b"@@ -982,0 +983,19 @@" in data and STREAM_FILE.encode() in data
+
+
+class FakeTensor:
+    """Just what our lines call on a torch tensor, over numpy; ``stuck`` is a parameter that
+    every write leaves as it was (the FRACTAL_NZ defect, here for copy_ too)."""
+
+    def __init__(self, a: object, stuck: bool = False) -> None:
+        import numpy as np
+
+        self.a, self.stuck = np.asarray(a), stuck
+
+    @property
+    def data(self) -> FakeTensor:
+        return self
+
+    def copy_(self, other: FakeTensor) -> FakeTensor:
+        if not self.stuck:
+            self.a[...] = other.a
+        return self
+
+    def cpu(self) -> FakeTensor:
+        return FakeTensor(self.a.copy())
+
+    def __getitem__(self, key: object) -> FakeTensor:
+        return FakeTensor(self.a[key])
+
+    def __int__(self) -> int:
+        return int(self.a)
+
+
+def fake_torch() -> object:
+    import types
+
+    import numpy as np
+
+    def index_select(src: FakeTensor, dim: int, index: FakeTensor,
+                     out: FakeTensor | None = None) -> FakeTensor:
+        assert dim == 0 and out is None  # our lines never write through out=
+        return FakeTensor(src.a[index.a])
+
+    return types.SimpleNamespace(index_select=index_select,
+                                 equal=lambda x, y: bool(np.array_equal(x.a, y.a)))
+
+
+@pytest.mark.parametrize("stuck", [False, True], ids=["written", "write-lost"])
+def test_resident_write_fix_applies_and_reports_what_slot_0_holds(
+        tmp_path: Path, stuck: bool, capsys: pytest.CaptureFixture[str]) -> None:
+    import numpy as np
+
+    repo = tmp_path / "sglang"
+    (repo / STREAM_FILE).parent.mkdir(parents=True)
+    (repo / STREAM_FILE).write_text(stand_in_stream_file())
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-qm", "sglang after 0003 (stand-in)")
+    entry, data = resident_fix()
+    source = Source(name="sglang", url="file:///nowhere", commit=git(repo, "rev-parse", "HEAD"),
+                    path="sglang")
+    patch = series_mod.LoadedPatch(entry, data, "sglang-resident-write-through.patch")
+    outcome = series_mod.apply_target(repo, source, [patch], tmp_path / "log")
+    assert outcome.status == "applied", outcome
+    text = (repo / STREAM_FILE).read_text()
+    lines = text.splitlines()
+    assert lines[981].startswith("    pass  # stand-in for line 982")
+    assert lines[982].startswith("    # dsv4-offload:") and len(lines) == 982 + 19
+    # run the patched function: 4 slots of 16 experts, the hot ones picked by `top`
+    space: dict[str, object] = {}
+    exec(compile(text, STREAM_FILE, "exec"), space)
+    rng = np.random.default_rng(0)
+    w13, w2 = FakeTensor(rng.random((16, 6, 4))), FakeTensor(rng.random((16, 4, 3)))
+    s13, s2 = FakeTensor(rng.random((16, 6))), FakeTensor(rng.random((16, 4)))
+    layer = type("Layer", (), {})()
+    for name, like in (("w13_weight", w13), ("w2_weight", w2),
+                       ("w13_weight_scale_bf16", s13), ("w2_weight_scale_bf16", s2)):
+        setattr(layer, name, FakeTensor(np.zeros((4, *like.a.shape[1:])), stuck=stuck))
+    top = FakeTensor(np.array([9, 3, 14, 0]))
+    space["_apply_resident_layer_depool"](0, layer, w13, s13, w2, s2, top, fake_torch())
+    out = capsys.readouterr().out
+    if stuck:
+        assert out == ("[KT_STREAM] resident write FAILED: layer 0 slot 0 does not hold "
+                       "expert 9\n")
+    else:
+        assert out == "[KT_STREAM] resident write verified: layer 0 slot 0 holds expert 9\n"
+        assert np.array_equal(layer.w13_weight.a, w13.a[[9, 3, 14, 0]])
+        assert np.array_equal(layer.w2_weight_scale_bf16.a, s2.a[[9, 3, 14, 0]])
+    # a later layer writes as well but reads nothing back (the check is once per update)
+    space["_apply_resident_layer_depool"](1, layer, w13, s13, w2, s2, top, fake_torch())
+    assert capsys.readouterr().out == ""

@@ -33,7 +33,7 @@ def test_bundled_recipes_validate(cli, name: str) -> None:
     assert f"valid recipe '{name}'" in res.out
     # the A3 recipe adds the five sources of its clean-CANN bring-up
     sources = {"dsv4-flash-910b": 6, "dsv4-flash-a3": 11}[name]
-    assert f"{sources} sources" in res.out and "9 patches" in res.out
+    assert f"{sources} sources" in res.out and "10 patches" in res.out
 
 
 def test_bundled_recipe_carries_the_brief_facts() -> None:
@@ -46,7 +46,7 @@ def test_bundled_recipe_carries_the_brief_facts() -> None:
     assert len(recipe.conversion.digests) == 43
     assert recipe.conversion.digests[0].startswith("88e06863")
     assert [p.method for p in series.patches].count("mbox") == 1
-    assert [p.target for p in series.patches] == ["ktransformers"] * 2 + ["sglang"] * 5 + [
+    assert [p.target for p in series.patches] == ["ktransformers"] * 2 + ["sglang"] * 6 + [
         "llama.cpp"] * 2
     a3 = load_recipe("dsv4-flash-a3")
     assert a3.serve.nsa_compressor_mode == "single"
@@ -123,10 +123,10 @@ SERIES_CASES = [
      " source", "target: sglang-fork"),
     ("sha256 too short", "sha256: 1de31394f8da9cc743eb6cb815a50d44109ae339f7195da463259d7d3608f026",
      "sha256: 1de31394f8da9cc743eb6cb815a50d44109ae339f7195da463259d7d3608f02",
-     "patches[7].sha256", "sha256: 1de31394"),
+     "patches[8].sha256", "sha256: 1de31394"),
     ("duplicate patch name", "name: sglang-packaging", "name: sglang-npu-kv-triton-fallback",
      "duplicate name", None),
-    ("unknown method", "method: mbox", "method: git-am", "patches[7].method", "method: git-am"),
+    ("unknown method", "method: mbox", "method: git-am", "patches[8].method", "method: git-am"),
     ("origin with two sources", "origin: {source: cann-recipes-infer, path: integration/sglang/"
      "dsv4-flash-single-npu-moe-offload/sglang/0005",
      "origin: {file: x.patch, source: cann-recipes-infer, path: integration/sglang/"
@@ -135,7 +135,7 @@ SERIES_CASES = [
      "sglang/dsv4-flash-single-npu-moe-offload/sglang/0005-sglang-packaging.patch}",
      "origin: {file: ../../evil.patch}", "origin.file", None),
     ("strip level negative", "strip: 1\n    method: mbox", "strip: -1\n    method: mbox",
-     "patches[7].strip", "strip: -1"),
+     "patches[8].strip", "strip: -1"),
 ]
 
 
@@ -186,3 +186,19 @@ def test_recipe_list_and_unknown_recipe(cli) -> None:
         "dsv4-flash-910b", "dsv4-flash-a3", "dsv4-flash-x86-dev", "dsv4-flash-arm-rehearsal"}
     res = cli("--recipe", "dsv4-nope", "recipe", "validate")
     assert res.code == 2 and "is not bundled" in res.err and re.search("dsv4-flash-a3", res.err)
+
+
+def test_series_skip_leaves_out_only_our_own_fixes_and_says_what_it_risks(cli) -> None:
+    recipe, series = load_recipe_and_series(
+        "dsv4-flash-910b", ["series_skip=[sglang-resident-write-through]"])
+    assert not series.holds("sglang-resident-write-through")
+    assert series.holds("sglang-streaming-prefill-depool")
+    (warning,) = series.skip_warnings()
+    assert warning.startswith("series dsv4-flash: patch 'sglang-resident-write-through' is "
+                              "left out (recipe series_skip): with depool, dynamic residency")
+    assert "KT_DYNAMIC_RESIDENT=0" in warning
+    res = cli("--set", "series_skip=[sglang-streaming-prefill-depool]", "recipe", "validate")
+    assert res.code == 2 and len(res.err.strip().splitlines()) == 1, res
+    assert "series_skip: 'sglang-streaming-prefill-depool' is the delivery's patch" in res.err
+    res = cli("--set", "series_skip=[no-such-patch]", "recipe", "validate")
+    assert res.code == 2 and "'no-such-patch' is not a patch of series 'dsv4-flash'" in res.err

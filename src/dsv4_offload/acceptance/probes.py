@@ -10,7 +10,7 @@ import json
 import re
 import time
 import unicodedata
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -423,10 +423,14 @@ def check_determinism(name: str, first: str, second: str) -> Check:
 
 
 def markers_that_apply(markers: Sequence[LogMarker], env: dict[str, str],
-                       longest_prompt: int | None = 0) -> list[LogMarker]:
-    """The markers whose ``when_env`` holds for the server's environment and, unless
-    ``longest_prompt`` is None (not known yet), whose ``after_prompt_tokens`` it reaches."""
+                       longest_prompt: int | None = 0,
+                       applied: Collection[str] | None = None) -> list[LogMarker]:
+    """The markers whose ``when_env`` holds for the server's environment, whose
+    ``when_patch`` is among the ``applied`` patches (None: not known, every marker) and,
+    unless ``longest_prompt`` is None (not known yet), whose ``after_prompt_tokens`` it
+    reaches."""
     return [m for m in markers if all(env.get(k) == v for k, v in m.when_env.items())
+            and (applied is None or m.when_patch is None or m.when_patch in applied)
             and (longest_prompt is None or longest_prompt >= m.after_prompt_tokens)]
 
 

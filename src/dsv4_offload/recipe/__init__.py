@@ -3,12 +3,21 @@ acceptance, host requirements) and the patch series it applies.
 
 Both are YAML validated by pydantic with unknown keys rejected; every error names the file,
 the line, the field and what to write instead. The modules: ``fields`` (shared field types),
-``sections`` and ``model`` (the schema), ``yamldoc`` (YAML with line numbers), ``overrides``
+``sections``, ``accept_section`` and ``model`` (the schema), ``yamldoc`` (YAML with line
+numbers), ``overrides``
 (`--set`), ``sourcelock`` (full SHAs of abbreviated pins), ``load`` (the one way a recipe is made),
 ``reference`` (docs/recipe-reference.md). This module re-exports what the rest of the package
 uses, so callers import from ``dsv4_offload.recipe``.
 """
 
+from dsv4_offload.recipe.accept_section import (
+    Acceptance,
+    Degeneration,
+    LogMarker,
+    Probe,
+    Residency,
+    Throughput,
+)
 from dsv4_offload.recipe.fields import (
     BUNDLED_RECIPES,
     BUNDLED_SERIES,
@@ -28,17 +37,13 @@ from dsv4_offload.recipe.load import (
 from dsv4_offload.recipe.model import Origin, Pipeline, Platform, Recipe, Runtime
 from dsv4_offload.recipe.overrides import apply_overrides
 from dsv4_offload.recipe.sections import (
-    Acceptance,
     Build,
     BuildStep,
     Conversion,
-    Degeneration,
     FileEdit,
     Host,
-    LogMarker,
     PatchEntry,
     PatchOrigin,
-    Probe,
     RealLayer,
     RemoteFile,
     RunPackage,
@@ -48,7 +53,6 @@ from dsv4_offload.recipe.sections import (
     Serve,
     Source,
     StepCheck,
-    Throughput,
     Weights,
     WeightSet,
 )
@@ -57,8 +61,8 @@ __all__ = [
     "BUNDLED_RECIPES", "BUNDLED_SERIES", "DATA_DIR", "DEFAULT_RECIPE",
     "Acceptance", "Build", "BuildStep", "Conversion", "Degeneration", "FileEdit", "Host",
     "LogMarker", "Origin", "PatchEntry", "PatchOrigin", "Pipeline", "Platform", "Probe",
-    "RealLayer", "Recipe", "RemoteFile", "RunPackage", "Runtime", "Selftest", "SelftestEmulator",
-    "Serve", "Series",
+    "RealLayer", "Recipe", "Residency", "RemoteFile", "RunPackage", "Runtime", "Selftest",
+    "SelftestEmulator", "Serve", "Series",
     "Source", "StepCheck", "Strict", "Throughput", "WeightSet", "Weights", "apply_overrides",
     "bundled_recipe_names", "load_recipe", "load_recipe_and_series", "load_series",
     "looks_like_series", "resolve_recipe_path", "resolve_series_path",

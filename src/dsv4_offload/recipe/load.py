@@ -218,6 +218,7 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
                 own = (path.parent / patch.origin.file).resolve()
                 if not own.is_relative_to(path.parent.resolve()):
                     raise InputError(f"{where}: patches[{i}].origin.file escapes the series dir")
+        series = _skip_patches(path, series, recipe)
         if wanted:
             kept = [p for p in series.patches if p.target in wanted]
             if not kept:
@@ -226,6 +227,29 @@ def load_series(path: Path, recipe: Recipe | None = None) -> Series:
             series = series.model_copy(update={"patches": kept})
     series._file = path
     return series
+
+
+def _skip_patches(path: Path, series: Series, recipe: Recipe) -> Series:
+    """The series without the recipe's ``series_skip`` patches, each checked: in the series,
+    and one of our own fixes that says what leaving it out risks."""
+    if not recipe.series_skip:
+        return series
+    where = f"recipe {recipe.file or recipe.name}: series_skip"
+    by_name = {p.name: p for p in series.patches}
+    for name in recipe.series_skip:
+        patch = by_name.get(name)
+        if patch is None:
+            raise InputError(f"{where}: '{name}' is not a patch of series '{series.name}' "
+                             f"({path}); use one of {list(by_name)}")
+        if patch.upstream != "local" or not patch.risk:
+            raise InputError(f"{where}: '{name}' is the delivery's patch, not one of this "
+                             "project's own fixes; only those (upstream: local, with a risk) "
+                             "may be left out")
+    skipped = tuple(by_name[n] for n in recipe.series_skip)
+    kept = series.model_copy(update={"patches": [p for p in series.patches
+                                                 if p.name not in recipe.series_skip]})
+    kept._skipped = skipped
+    return kept
 
 
 def load_recipe_and_series(

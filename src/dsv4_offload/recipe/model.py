@@ -14,9 +14,9 @@ from pydantic import (
 )
 
 from dsv4_offload.core.registry import STAGE_NAMES
+from dsv4_offload.recipe.accept_section import Acceptance
 from dsv4_offload.recipe.fields import Name, Strict, no_duplicates
 from dsv4_offload.recipe.sections import (
-    Acceptance,
     Build,
     Conversion,
     Host,
@@ -152,6 +152,10 @@ class Recipe(Strict):
     series_targets: list[Name] = Field(
         [], description="apply only the series' patches for these sources ([]: all of them); "
         "a recipe without sglang can still take the delivery's whole series")
+    series_skip: list[Name] = Field(
+        [], description="patches of the series to leave out: only this project's own fixes "
+        "(`upstream: local` with a `risk`), e.g. to serve the delivery's series unmodified; "
+        "every command that loads the recipe warns with what each one left out risks")
     not_applicable: list[str] = Field(
         [], description="pipeline stages that make no sense for this recipe (e.g. an x86 "
         "development recipe ends at selftest): `run` passes them, running them says why")

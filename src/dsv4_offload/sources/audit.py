@@ -300,11 +300,14 @@ def wanted_markers(recipe: Recipe, series: Series, *, steps: Sequence[str] | Non
     tree = serve_tree(recipe, series)
     acc = recipe.acceptance
     if "accept" not in skipped:
+        # a line only a patch of our own prints is searched only where the series applies it
         out += [_Wanted("required", "acceptance.log_markers_required", m.pattern, 0, tree)
-                for m in acc.log_markers_required]
+                for m in acc.log_markers_required
+                if m.when_patch is None or series.holds(m.when_patch)]
         out += [_Wanted("forbidden", "acceptance.log_markers_forbidden", m.pattern, 0,
                          tree)
-                for m in acc.log_markers_forbidden]
+                for m in acc.log_markers_forbidden
+                if m.when_patch is None or series.holds(m.when_patch)]
     if "serve" not in skipped:
         out += [_Wanted("fatal", f"supervisor.FATAL_PATTERNS[{key}]", p, flags, tree)
                 for key, p, flags in fatal_patterns()]
