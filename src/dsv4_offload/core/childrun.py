@@ -38,7 +38,8 @@ SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
 EVENTS_ENV = "DSV4_EVENTS_FILE"
 INTERNAL_ENV = (IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, HANDOFF_ENV, LENDER_PIPE_ENV,
                 SCHEDULER_PID_ENV, EVENTS_ENV)
-# what crosses into the container by name when set (the other two go as values on argv)
+# what crosses into a container by name when set (`docker exec -e NAME`): the container's
+# name and the lender's pipe go as values on its argv, the scheduler's pid stays on the host
 PASSED_BY_NAME = (HANDOFF_ENV, STAGE_OPTIONS_ENV, EVENTS_ENV)
 
 
