@@ -11,6 +11,7 @@ that protocol is named here; the settings a user exports (``DSV4_WORKSPACE``,
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Mapping, MutableMapping
@@ -113,11 +114,10 @@ def read_report(text: str, stage: str) -> ChildReport:
     stages = doc.data.get("stages") if isinstance(doc.data, dict) else None
     got = stages.get(stage) if isinstance(stages, dict) else None
     result = None
-    if isinstance(got, dict):
-        try:
-            result = StageResult.from_dict(got)
-        except ValueError:  # a status word this version does not know
-            result = None
+    # a status word this version does not know, or a field of another shape, reads as no
+    # result: as from a child that printed nothing
+    with contextlib.suppress(ValueError, TypeError):
+        result = StageResult.from_dict(got) if isinstance(got, dict) else None
     return ChildReport(result, doc.error_message)
 
 
