@@ -285,8 +285,9 @@ def test_run_sends_container_stages_in_and_keeps_the_others_here(
 
 def test_container_stage_cannot_take_the_lock_without_the_token(
         tmp_path: Path) -> None:
+    from dsv4_offload.core.childrun import HANDOFF_ENV
     from dsv4_offload.core.errors import LockedError
-    from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
+    from dsv4_offload.workspace.store import Workspace
 
     ws = Workspace(tmp_path / "ws")
     probe = ("import os, sys\nfrom dsv4_offload.workspace.store import Workspace\n"

@@ -19,13 +19,14 @@ from conftest import CLI
 from standin_hub import HubRepo, StandinHub
 from test_stream import DIMS, MXFP4_REPO, repo_of, sizes, w8a8_repo
 
-from dsv4_offload.core.events import EVENTS_ENV, iter_file
+from dsv4_offload.core.childrun import EVENTS_ENV, HANDOFF_ENV
+from dsv4_offload.core.events import iter_file
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.weights import downloads
 from dsv4_offload.weights.checkpoint import INDEX_FILE, MoeDims, write_synthetic_checkpoint
 from dsv4_offload.weights.conversion import convert_layer
 from dsv4_offload.weights.gguf_io import LayerLayout
-from dsv4_offload.workspace.store import HANDOFF_ENV, Workspace
+from dsv4_offload.workspace.store import Workspace
 
 GGUF = "dsv4_layer{}_mxfp4.gguf"
 RATE = 200_000  # B/s: the whole download takes ~3 s

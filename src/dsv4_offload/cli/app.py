@@ -217,17 +217,16 @@ def _interrupted(as_json: bool = False, command: str = "") -> int:
     """Say how we were interrupted (with --json, also as the command's one document); the
     exit code a shell gives that signal (128 + its number)."""
     import contextlib
-    import json
 
+    from dsv4_offload.core.envelope import INTERRUPTED, Envelope
     from dsv4_offload.core.runner import interrupt_name, received_signal
 
     signum = received_signal()
     code = int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
     with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
         if as_json:
-            doc = {"schema": kit.JSON_SCHEMA, "command": command, "status": "interrupted",
-                   "data": {"signal": interrupt_name(), "exit_code": code}}
-            sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+            doc = Envelope(command, INTERRUPTED, {"signal": interrupt_name(), "exit_code": code})
+            sys.stdout.write(doc.to_json())
             sys.stdout.flush()
         sys.stderr.write("interrupted\n" if signum is None
                          else f"interrupted by {interrupt_name()}\n")

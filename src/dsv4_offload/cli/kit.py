@@ -5,20 +5,18 @@ Kept light at import time (typer only): recipe models, rich and stage modules lo
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
+from dsv4_offload.core.envelope import Envelope
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
 
 if TYPE_CHECKING:
     from dsv4_offload.core.results import StageResult, Status
     from dsv4_offload.workspace.context import StageContext
-
-JSON_SCHEMA = 1
 
 
 @dataclass
@@ -73,8 +71,7 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
     g = options_of(typer_ctx)
     status_text = getattr(status, "value", status)
     if g.json:
-        doc = {"schema": JSON_SCHEMA, "command": command, "status": status_text, "data": data}
-        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False, default=str) + "\n")
+        sys.stdout.write(Envelope(command, status_text, data).to_json())
         sys.stdout.flush()
         return
     from dsv4_offload.cli.render import console
@@ -120,16 +117,12 @@ def usage_error_document(exc: Any, command: str) -> str:
     """A click usage error (unknown option, missing value...) as the --json document."""
     message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
     cmd_ctx = getattr(exc, "ctx", None)
-    doc = {"schema": JSON_SCHEMA, "command": command, "status": "error",
-           "data": {"error": message, "exit_code": int(ExitCode.INVALID_INPUT),
-                    "usage": cmd_ctx.get_usage() if cmd_ctx is not None else ""}}
-    return json.dumps(doc, indent=2, ensure_ascii=False) + "\n"
+    usage = cmd_ctx.get_usage() if cmd_ctx is not None else ""
+    return Envelope.error(command, message, ExitCode.INVALID_INPUT, usage=usage).to_json()
 
 
 def report_error(exc: Dsv4Error, as_json: bool, command: str) -> int:
     if as_json:
-        doc = {"schema": JSON_SCHEMA, "command": command, "status": "error",
-               "data": {"error": exc.one_line(), "exit_code": int(exc.exit_code)}}
-        sys.stdout.write(json.dumps(doc, indent=2, ensure_ascii=False) + "\n")
+        sys.stdout.write(Envelope.error(command, exc.one_line(), exc.exit_code).to_json())
     sys.stderr.write(f"error: {exc.one_line()}\n")
     return int(exc.exit_code)

@@ -1,9 +1,9 @@
 """The event stream of a pipelined `run`: one JSON object per line, appended to one file.
 
-`run` (the scheduler) names the file in ``DSV4_EVENTS_FILE`` for every stage process it
-starts; each stage process appends its events there and the scheduler tails the file for
-its live view and for `run --json`. With the variable unset (a stage run on its own)
-``emit`` does nothing, so stages call it freely.
+`run` (the scheduler) names the file in ``DSV4_EVENTS_FILE`` (core/childrun) for every
+stage process it starts; each stage process appends its events there and the scheduler
+tails the file for its live view and for `run --json`. With the variable unset (a stage run
+on its own) ``emit`` does nothing, so stages call it freely.
 
 Every event has ``v`` (the schema, 1), ``t`` (UTC, milliseconds), ``event`` and ``pid``;
 most have ``stage``. The kinds, and the fields beside them:
@@ -37,9 +37,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.childrun import EVENTS_ENV
 from dsv4_offload.core.results import Progress, Task
 
-EVENTS_ENV = "DSV4_EVENTS_FILE"
 SCHEMA = 1
 PROGRESS_EVERY_S = 1.0  # one progress event per task per second at most
 _write_lock = threading.Lock()

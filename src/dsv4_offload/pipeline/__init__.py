@@ -18,7 +18,6 @@ from dsv4_offload.pipeline.fingerprint import (
 )
 from dsv4_offload.pipeline.groups import leftover_processes, sweep_leftovers
 from dsv4_offload.pipeline.serial import (
-    SCHEDULER_PID_ENV,
     PlanItem,
     RunOutcome,
     dispatch_stage,
@@ -36,8 +35,8 @@ from dsv4_offload.pipeline.status import (
 )
 
 __all__ = [
-    "NOT_APPLICABLE", "SCHEDULER_PID_ENV", "STAGES", "STAGE_NAMES", "PlanItem", "RunOutcome",
-    "StageSpec", "StageStatus", "changed_inputs", "dispatch_stage", "fingerprint",
+    "NOT_APPLICABLE", "STAGES", "STAGE_NAMES", "PlanItem", "RunOutcome", "StageSpec",
+    "StageStatus", "changed_inputs", "dispatch_stage", "fingerprint",
     "leftover_processes", "load_stage_module", "model_digest", "not_applicable_reason",
     "pipeline_status", "plan", "recipe_inputs", "run_pipeline", "run_stage", "spec",
     "stage_range", "stage_status", "sweep_leftovers",

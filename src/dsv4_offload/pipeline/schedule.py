@@ -19,7 +19,6 @@ with it (their parent-death signal), and the next run sweeps what they had start
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -31,15 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload import pipeline as P
-from dsv4_offload.core import events
+from dsv4_offload.core import childrun, events
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
 from dsv4_offload.core.registry import StageSpec
 from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
 from dsv4_offload.weights import diskplan
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.placement import STAGE_OPTIONS_ENV
-from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV
 
 POLL_S = 0.1
 # a stage process stops its own children first (TERM, then KILL after KILL_GRACE_S)
@@ -370,24 +367,13 @@ class Scheduler:
 
     def _argv(self, name: str) -> list[str]:
         recipe = self.ctx.recipe
-        argv = [sys.executable, "-m", "dsv4_offload", "--workspace", str(self.ws.root)]
-        if recipe.file is not None:
-            argv += ["--recipe", str(recipe.file)]
-        for item in recipe.overrides:
-            argv += ["--set", item]
-        if self.verbose:
-            argv.append("--verbose")
-        return [*argv, "--json", "run", "--serial", "--from", name, "--to", name,
-                "--force", name]
+        file = ["--recipe", str(recipe.file)] if recipe.file is not None else []
+        return [*childrun.tool_argv(sys.executable, self.ws.root, file, list(recipe.overrides),
+                                    verbose=self.verbose), *childrun.stage_argv(name)]
 
     def _env(self, options: dict[str, Any]) -> dict[str, str]:
-        env = dict(os.environ)
-        env.pop(LENDER_PIPE_ENV, None)  # its lender is this process, which it dies with
-        env[HANDOFF_ENV] = self.token
-        env[events.EVENTS_ENV] = str(self.path)
-        env[STAGE_OPTIONS_ENV] = json.dumps(options, default=str)
-        env[P.SCHEDULER_PID_ENV] = str(os.getpid())
-        return env
+        return childrun.stage_env(os.environ, self.token, options, events_file=self.path,
+                                  scheduler_pid=os.getpid())
 
     def _stdio(self, name: str) -> tuple[Any, Any]:
         """The child's stdout (its one JSON document) and stderr, new for this run."""
@@ -399,14 +385,11 @@ class Scheduler:
         code = s.child.proc.returncode
         s.exit_code = code
         s.seconds = round(time.monotonic() - (s.t0 or time.monotonic()), 3)
-        doc = _json_doc(self.path.parent / f"{s.name}.out")
-        data = doc.get("data") if isinstance(doc.get("data"), dict) else {}
-        got = (data.get("stages") or {}).get(s.name) if isinstance(data, dict) else None
-        if isinstance(got, dict):
-            with contextlib.suppress(ValueError):
-                s.result = StageResult.from_dict(got)
-        if doc.get("status") == "error" and isinstance(data, dict):
-            s.cli_error = str(data.get("error") or "")
+        report = childrun.read_report(_text(self.path.parent / f"{s.name}.out"), s.name)
+        if report.result is not None:
+            s.result = report.result
+        if report.error:
+            s.cli_error = report.error
         record = self.ws.read_state()["stages"].get(s.name)
         mine = record if record is not None and record != s.before else None
         status = (mine or {}).get("status")
@@ -502,12 +485,12 @@ def _private(path: Path) -> Any:
     return os.fdopen(fd, "wb")
 
 
-def _json_doc(path: Path) -> dict[str, Any]:
+def _text(path: Path) -> str:
+    """The file's text; empty when it cannot be read."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8", errors="replace"))
-    except (OSError, ValueError):
-        return {}
-    return doc if isinstance(doc, dict) else {}
+        return path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
 
 
 def _last_line(path: Path) -> str:

@@ -3,14 +3,12 @@ the hand-over of a stage to the container when the recipe says so."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from dsv4_offload.core import events, procs
+from dsv4_offload.core import childrun, events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
@@ -20,7 +18,7 @@ from dsv4_offload.pipeline.fingerprint import fingerprint, load_stage_module, mo
 from dsv4_offload.pipeline.groups import groups_noted, sweep_leftovers
 from dsv4_offload.pipeline.status import NOT_APPLICABLE, not_applicable_reason, stage_status
 from dsv4_offload.workspace.context import StageContext
-from dsv4_offload.workspace.placement import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, runs_in_container
+from dsv4_offload.workspace.placement import runs_in_container
 
 
 def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
@@ -86,7 +84,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
         "log": result.log,
     }
-    inside = os.environ.get(IN_CONTAINER_ENV)
+    inside = childrun.container_name()
     if inside:
         record["container"] = inside  # where its processes live (serve stop/status go there)
     ws.write_stage_record(name, record)
@@ -126,17 +124,10 @@ def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log
     events.emit("stage.failed", stage=name, error=error, log=log)
 
 
-# a pipelined run names itself to the stage processes it starts: one whose parent is no
-# longer that run (killed outright: its children got the parent-death signal) says so
-SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
-
-
 def _orphaned() -> str:
     """' (the run that started it, pid N, was killed)' for a stage process whose run died."""
-    raw = os.environ.get(SCHEDULER_PID_ENV, "")
-    if raw.isdigit() and os.getppid() != int(raw):
-        return f" (the run that started it, pid {raw}, was killed)"
-    return ""
+    pid = childrun.lost_scheduler()
+    return f" (the run that started it, pid {pid}, was killed)" if pid else ""
 
 
 def _previous(name: str) -> str:
@@ -206,7 +197,10 @@ def run_pipeline(
     """Run the stages in order, skipping done ones; stop at the first failure."""
     results: list[tuple[str, StageResult]] = []
     skipped: list[str] = []
-    handed = _handed_options()
+    # the options handed to this `run` with its one stage: by the stand-alone command that
+    # sent its stage into the container, or by the pipelined run that started this stage
+    # process (mirrors, device, follow, jobs)
+    handed = childrun.handed_options()
     for stage in stage_range(start, stop, force):
         # each stage is planned at its turn: one that just ran changes its dependents'
         # fingerprints, and planning all of them up front would fingerprint twice
@@ -248,21 +242,3 @@ def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
         return run_stage_inside(ctx, name, options, options if standalone else None, before)
     return run_stage(ctx, name, options)
 
-
-def _handed_options() -> dict[str, Any]:
-    """The options handed to this `run` with its one stage: by the stand-alone command that
-    sent its stage into the container, or by the pipelined run that started this stage
-    process (mirrors, device, follow, jobs). Read once and taken out of the environment, so
-    the processes the stage starts do not take them for their own."""
-    raw = os.environ.pop(STAGE_OPTIONS_ENV, None)
-    if not raw:
-        return {}
-    try:
-        value = json.loads(raw)
-    except ValueError:
-        raise InputError(f"{STAGE_OPTIONS_ENV} is not JSON: {raw[:80]!r}; it is set by "
-                         "dsv4-offload for its own stage processes: unset it") from None
-    if not isinstance(value, dict):
-        raise InputError(f"{STAGE_OPTIONS_ENV} is not a JSON object: {raw[:80]!r}; it is set "
-                         "by dsv4-offload for its own stage processes: unset it")
-    return value

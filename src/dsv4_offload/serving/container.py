@@ -41,9 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dsv4_offload.core import childrun
+from dsv4_offload.core.childrun import IN_CONTAINER_ENV, LENDER_PIPE_ENV
 from dsv4_offload.core.digests import file_sha256
 from dsv4_offload.core.errors import Dsv4Error, InputError
-from dsv4_offload.core.events import EVENTS_ENV
 from dsv4_offload.core.runner import (
     CommandFailed,
     capture,
@@ -52,8 +53,7 @@ from dsv4_offload.core.runner import (
     start,
 )
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
-from dsv4_offload.workspace.placement import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
-from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV, Workspace
+from dsv4_offload.workspace.store import Workspace
 
 if TYPE_CHECKING:
     from dsv4_offload.core.results import StageResult, Task
@@ -203,7 +203,7 @@ def plan_container(recipe: Recipe, workspace: Workspace, *, devices: str | None 
 def inside_container(root: Path | None = None) -> bool:
     """Whether this process runs in a container (ours says so; docker adds /.dockerenv), or,
     for a captured host ``root``, whether that host was one."""
-    return bool(os.environ.get(IN_CONTAINER_ENV)) or ((root or Path("/")) / ".dockerenv").exists()
+    return bool(childrun.container_name()) or ((root or Path("/")) / ".dockerenv").exists()
 
 
 # --- the docker client ----------------------------------------------------------------------
@@ -636,18 +636,17 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     ``names`` cross by name (``-e NAME``): docker takes each value from the client's own
     environment, so none is on argv (where `ps` and the log would show it). With
     ``lender_pipe`` the client's stdin stays open (``-i``) while this process lives: the
-    tool inside stops its stage when it reads EOF there (workspace.store, LENDER_PIPE_ENV).
+    tool inside stops its stage when it reads EOF there (core/childrun, LENDER_PIPE_ENV).
     """
     argv = ["docker", "exec", "-e", f"{IN_CONTAINER_ENV}={plan.name}"]
     if lender_pipe:
         argv += ["-i", "-e", f"{LENDER_PIPE_ENV}=1"]
     for name in dict.fromkeys(names):
         argv += ["-e", name]
-    argv += ["-w", str(workspace.root), plan.name, tool_python(workspace), "-m", "dsv4_offload",
-             "--workspace", str(workspace.root), *recipe_argument(recipe_spec, plan)]
-    for item in overrides:
-        argv += ["--set", item]
-    return argv + list(args)
+    argv += ["-w", str(workspace.root), plan.name]
+    tool = childrun.tool_argv(tool_python(workspace), workspace.root,
+                              recipe_argument(recipe_spec, plan), overrides)
+    return [*argv, *tool, *args]
 
 
 def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
@@ -670,47 +669,32 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     if refused is not None:
         return refused  # type: ignore[no-any-return]
     # --serial: the one stage, in this process inside (a pipelined run schedules on the host)
-    args = ["--json", "run", "--serial", "--from", stage, "--to", stage, "--force", stage]
-    if options.get("device") is not None:
-        args += ["--device", str(options["device"])]
+    args = childrun.stage_argv(stage, options.get("device"))
     log = ctx.workspace.log_dir("container") / f"{stage}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     path = ctx.recipe.file
     spec = str(path) if path is not None else None
     overrides = list(ctx.recipe.overrides)
-    names = crossing_names(ctx.recipe)
-    env = {**os.environ}
-    if standalone is not None:
-        env[STAGE_OPTIONS_ENV] = json.dumps(standalone, default=str)
-        names.append(STAGE_OPTIONS_ENV)
-    if EVENTS_ENV in os.environ:  # a pipelined run's event file: under the workspace, mounted
-        names.append(EVENTS_ENV)
     with ctx.workspace.lend_lock() as token:
-        env[HANDOFF_ENV] = token
-        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, [HANDOFF_ENV, *names],
-                         lender_pipe=True)
+        # the lent lock, the handed options and a pipelined run's event file (under the
+        # workspace, mounted) cross by name, beside the recipe's variables
+        env = childrun.stage_env(os.environ, token, standalone)
+        names = [*childrun.passed_names(env), *crossing_names(ctx.recipe)]
+        argv = exec_argv(plan, ctx.workspace, spec, overrides, args, names, lender_pipe=True)
         with ctx.task(f"{stage} in {plan.name}"):
             code, out = _run_capturing(
                 argv, log, env=env,
                 on_interrupt=lambda: _interrupt_inside(plan, ctx.workspace, stage))
-    try:
-        doc = json.loads(out)
-    except ValueError:
-        doc = {}
-    data = doc.get("data") if isinstance(doc, dict) else None
-    record = (data.get("stages") or {}).get(stage) if isinstance(data, dict) else None
-    if not isinstance(record, dict):
+    report = childrun.read_report(out, stage)
+    if report.result is None:
         # an expected error inside (bad input, a locked workspace) prints {"error": ...}
-        error = data.get("error") if isinstance(data, dict) else None
-        message = error or f"`docker exec {plan.name}` exited {code} without a result"
+        message = report.error or f"`docker exec {plan.name}` exited {code} without a result"
         return StageResult(Status.FAILED, f"{stage} in container {plan.name} failed",
                            problems=[Problem("error", message, fix=f"see the log: {log}",
                                              check="container")], log=str(log))
-    return StageResult(
-        Status(record["status"]), record.get("summary", ""), data=record.get("data") or {},
-        problems=[Problem(p["severity"], p["message"], p.get("fix", ""), p.get("check", ""))
-                  for p in record.get("problems") or []],
-        outputs=record.get("outputs") or {}, log=record.get("log") or str(log))
+    result = report.result
+    result.log = result.log or str(log)
+    return result
 
 
 def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> None:

@@ -4,18 +4,18 @@ container runs."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 from typing import TYPE_CHECKING
 
 from dsv4_offload.build.bringup import KT_KERNEL_STEP
+from dsv4_offload.core.childrun import HANDOFF_ENV, stage_env
+from dsv4_offload.core.envelope import Envelope
 from dsv4_offload.core.host import parse_version, version_at_least
 from dsv4_offload.core.results import SKIP, Check, Problem
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.placement import CONTAINER, placement_of
-from dsv4_offload.workspace.store import HANDOFF_ENV
 
 if TYPE_CHECKING:
     from dsv4_offload.serving.container import ContainerPlan
@@ -64,8 +64,8 @@ def judged_in_the_image(ctx: StageContext, checks: list[Check]) -> list[Check]:
     try:
         # the doctor inside works under this process's workspace lock, lent to it
         with ctx.workspace.lend_lock() as token:
-            proc = capture(argv, env={**os.environ, HANDOFF_ENV: token}, timeout=300)
-        inner = {c["name"]: c for c in json.loads(proc.stdout)["data"]["data"]["checks"]}
+            proc = capture(argv, env=stage_env(os.environ, token), timeout=300)
+        inner = {c["name"]: c for c in Envelope.parse(proc.stdout).data["data"]["checks"]}
     except (OSError, RuntimeError, subprocess.TimeoutExpired, ValueError, KeyError, TypeError):
         return checks  # the rows keep saying how to check them by hand
     out = []

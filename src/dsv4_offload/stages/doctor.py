@@ -584,6 +584,7 @@ class RuntimeFacts:
 def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     """Ask docker about the recipe's image only on a live aarch64 host with a docker client
     (a captured sysroot has no engine to ask, and the image is arm64)."""
+    from dsv4_offload.core import childrun
     from dsv4_offload.core.errors import Dsv4Error
     from dsv4_offload.core.host import HOST_ROOT_ENV
     from dsv4_offload.serving import container
@@ -591,7 +592,7 @@ def probe_runtime(recipe: Recipe, facts: HostFacts) -> RuntimeFacts:
     # a captured host says for itself whether it is a container (its own /.dockerenv); a
     # container that has a docker client of its own is a host to the containers it starts
     # (a CI runner, a dev container), unless our own exec marked this process as inside
-    inside = bool(os.environ.get(container.IN_CONTAINER_ENV)) or (
+    inside = bool(childrun.container_name()) or (
         container.inside_container(Path(facts.root)) and not facts.tools.get("docker"))
     rf = RuntimeFacts(inside=inside)
     if (recipe.host.docker != "unused" and facts.tools.get("docker")

@@ -15,18 +15,17 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+from dsv4_offload.core import childrun
+
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
 
 Placement = Literal["host", "container"]
 HOST: Placement = "host"
 CONTAINER: Placement = "container"
-IN_CONTAINER_ENV = "DSV4_IN_CONTAINER"  # set by our `docker exec`: this process is inside
 # `--runtime host` spelled in the environment: every stage here, whatever the recipe says
 RUNTIME_ENV = "DSV4_RUNTIME"
 RUNTIME_CHOICES = ("recipe", "host")
-# a stand-alone stage command's options (JSON), for the `run` it hands the stage to inside
-STAGE_OPTIONS_ENV = "DSV4_STAGE_OPTIONS"
 BUILD_STAGE = "build"
 
 _warned: set[str] = set()
@@ -62,7 +61,7 @@ def runs_in_container(recipe: Recipe, stage: str) -> bool:
     """
     if placement_of(recipe, stage) != CONTAINER:
         return False
-    if os.environ.get(IN_CONTAINER_ENV):
+    if childrun.container_name():
         return False
     if forced_host():
         if stage not in _warned:

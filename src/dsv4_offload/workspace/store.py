@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dsv4_offload.core import procs
+from dsv4_offload.core import childrun, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError, LockedError
 
@@ -20,11 +20,6 @@ if TYPE_CHECKING:
 
 DEFAULT_WORKSPACE = "./dsv4-work"
 WORKSPACE_ENV = "DSV4_WORKSPACE"
-# a lock holder that runs a stage in another process (the container) lends it its lock:
-# the token it wrote into the lock file, passed to that process in this variable
-HANDOFF_ENV = "DSV4_LOCK_HANDOFF"
-# set for a borrower whose stdin is the lender's pipe: EOF there means the lender is gone
-LENDER_PIPE_ENV = "DSV4_LENDER_PIPE"
 STATE_SCHEMA = 1
 
 
@@ -266,8 +261,8 @@ class Workspace:
     def lock(self, command: str) -> Iterator[None]:
         """An exclusive, non-blocking lock: a second run on this workspace exits at once.
 
-        A process given the token its holder lent (``HANDOFF_ENV``) runs under the holder's
-        lock instead: the holder keeps it, so no third process gets in meanwhile.
+        A process given the token its holder lent (``childrun.HANDOFF_ENV``) runs under the
+        holder's lock instead: the holder keeps it, so no third process gets in meanwhile.
         """
         self.ensure()
         try:
@@ -284,10 +279,10 @@ class Workspace:
             except BlockingIOError:
                 fh.seek(0)
                 content = fh.read()
-                token = os.environ.get(HANDOFF_ENV)
+                token = childrun.lent_token()
                 if token and f"lent {token}\n" in content:
                     fh.close()
-                    if os.environ.get(LENDER_PIPE_ENV):
+                    if childrun.on_lender_pipe():
                         _stop_when_the_lender_dies()
                     self._borrowed = token
                     try:
@@ -320,10 +315,10 @@ class Workspace:
 
     @contextlib.contextmanager
     def lend_lock(self) -> Iterator[str]:
-        """While held: a token another process passes in ``HANDOFF_ENV`` to work under it.
-        A borrower (a stage process of a pipelined `run`) passes on the token it was lent: the
-        holder keeps the lock until that borrower is done, and so until its own borrowers are
-        (a stage it runs in the container)."""
+        """While held: a token another process passes in ``childrun.HANDOFF_ENV`` to work
+        under it. A borrower (a stage process of a pipelined `run`) passes on the token it was
+        lent: the holder keeps the lock until that borrower is done, and so until its own
+        borrowers are (a stage it runs in the container)."""
         import secrets
 
         fh = self._lock_fh
