@@ -93,7 +93,7 @@ class StageRecord(BaseModel):
         except ValidationError as exc:
             first = exc.errors()[0]
             key = ".".join(str(part) for part in first["loc"])
-            raise ValueError(f"'{key}': {first['msg']}") from None
+            raise ValueError(f"'{key}': {first['msg'].removeprefix('Value error, ')}") from None
 
     def as_raw(self) -> RawRecord:
         """The record as the file holds it: only the keys its writer set."""
