@@ -14,7 +14,7 @@ from dsv4_offload.core import events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
-from dsv4_offload.core.results import StageResult
+from dsv4_offload.core.results import Severity, StageResult
 from dsv4_offload.core.runner import interrupt_name
 from dsv4_offload.core.states import StageState
 from dsv4_offload.pipeline.fingerprint import fingerprint, load_stage_module, model_digest
@@ -73,7 +73,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     if result.log is None:
         result.log = str(sub.log_dir)
     if not result.ok:
-        first = next((p for p in result.problems if p.severity == "error"), None)
+        first = next((p for p in result.problems if p.severity == Severity.ERROR), None)
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result

@@ -96,8 +96,9 @@ class StageRecord(BaseModel):
             raise ValueError(f"'{key}': {first['msg'].removeprefix('Value error, ')}") from None
 
     def as_raw(self) -> RawRecord:
-        """The record as the file holds it: only the keys its writer set."""
-        raw: RawRecord = self.model_dump(mode="json", exclude_unset=True)  # type: ignore[assignment]
+        """The record as the file holds it: only the keys its writer set (its words are
+        ``str``; an output JSON cannot hold is written as its text, as before)."""
+        raw: RawRecord = self.model_dump(exclude_unset=True)  # type: ignore[assignment]
         return raw
 
     def changed(self, **fields: Any) -> StageRecord:
