@@ -359,8 +359,7 @@ class Scheduler:
             self._emit("stage.skipped", stage=s.name, reason=item.reason)
             return
         build = self.slots.get("build")
-        build_pending = build is not None and build.state in (StageState.WAITING,
-                                                              StageState.RUNNING)
+        build_pending = build is not None and build.state in ("waiting", "running")
         s.options = {**self.ctx.options, **jobs_for(s.name, self.cpu, build_pending)}
         if any(self.slots[f].state == StageState.RUNNING for f in s.follows):
             s.options["follow"] = True
