@@ -216,7 +216,7 @@ def test_fingerprinting_the_gguf_stages_loads_no_numpy(tmp_path: Path) -> None:
         "recipe, series = load_recipe_and_series()\n"
         f"ws = Workspace({str(tmp_path)!r})\n"
         "ctx = StageContext(recipe=recipe, series=series, workspace=ws)\n"
-        "pipeline.fingerprint(ctx, pipeline.spec('verify-gguf'), {})\n"
+        "pipeline.fingerprint(ctx, pipeline.spec('verify-gguf'), ws.state())\n"
         "print(sorted(m for m in ('numpy', 'gguf') if m in sys.modules))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

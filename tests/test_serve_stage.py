@@ -164,7 +164,7 @@ def test_serve_is_done_while_the_server_is_up_and_stale_once_it_dies(tmp_path, n
     assert serve.fingerprint_inputs(ctx) == {"server": "never started"}
     result = pipeline.run_stage(ctx, "serve", dict(ctx.options))
     assert result.ok, result.as_dict()
-    state = ctx.workspace.read_state()
+    state = ctx.workspace.state()
     status = pipeline.stage_status(ctx, pipeline.spec("serve"), state)
     assert status.state == "done", status  # started: `serve` stays done
     sv.stop_recorded(ctx.workspace.serve_record, 3)

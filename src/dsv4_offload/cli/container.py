@@ -154,8 +154,8 @@ def forward_into_container(ctx: typer.Context, sctx: Any, stage: str, args: list
     )
     from dsv4_offload.workspace.placement import runs_in_container
 
-    record = sctx.workspace.read_state().get("stages", {}).get(stage) or {}
-    if not record.get("container") or not runs_in_container(sctx.recipe, stage):
+    record = sctx.workspace.state().record(stage)
+    if record is None or not record.container or not runs_in_container(sctx.recipe, stage):
         return False  # it ran here
     plan = plan_container(sctx.recipe, sctx.workspace)
     found = find_container(plan.name)

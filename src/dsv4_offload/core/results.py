@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
+
+from dsv4_offload.core.states import Word
 
 
 class Status(str, enum.Enum):
@@ -19,21 +21,50 @@ class Status(str, enum.Enum):
     SKIPPED = "skipped"  # nothing to do (already done, or not applicable)
 
 
-# the status words of a host check row (doctor's, and the image's rows judged for it)
-OK, WARN, FAIL, SKIP = "ok", "warn", "fail", "skip"
+class CheckStatus(Word):
+    """How a check row came out. Host rows (doctor's, the image's) say ok, warn, fail or
+    skip; verdicts (accept's) say pass, warn, fail or skipped: the words each report has
+    always printed."""
+
+    OK = "ok"
+    PASS = "pass"
+    WARN = "warn"
+    FAIL = "fail"
+    SKIP = "skip"
+    SKIPPED = "skipped"
 
 
-@dataclass
+# the words of a host check row (doctor's, and the image's rows judged for it)
+OK, WARN, FAIL, SKIP = CheckStatus.OK, CheckStatus.WARN, CheckStatus.FAIL, CheckStatus.SKIP
+
+
+class Severity(Word):
+    """How much a finding weighs: an error fails the stage, a warning is read by the user."""
+
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+
+
+SeverityWord = Literal["error", "warning", "info"]
+
+
+@dataclass(init=False)
 class Problem:
     """One finding: what is wrong and how to fix it."""
 
-    severity: str  # "error" | "warning" | "info"
+    severity: Severity
     message: str
     fix: str = ""
     check: str = ""
 
+    def __init__(self, severity: Severity | SeverityWord, message: str, fix: str = "",
+                 check: str = "") -> None:
+        self.severity = Severity(severity)
+        self.message, self.fix, self.check = message, fix, check
+
     def as_dict(self) -> dict[str, str]:
-        return {"severity": self.severity, "check": self.check, "message": self.message,
+        return {"severity": self.severity.value, "check": self.check, "message": self.message,
                 "fix": self.fix}
 
 
@@ -49,7 +80,7 @@ class Check:
     """
 
     name: str
-    status: str
+    status: CheckStatus
     observed: str
     required: str = ""
     fix: str = ""
@@ -63,9 +94,10 @@ class Check:
                 data: dict[str, Any] | None = None, required: str = "", gate: bool = True,
                 warning: bool = False) -> Check:
         if (ok is False and not gate) or (ok and warning):
-            status = "warn"
+            status = CheckStatus.WARN
         else:
-            status = {True: "pass", False: "fail", None: "skipped"}[ok]
+            status = {True: CheckStatus.PASS, False: CheckStatus.FAIL,
+                      None: CheckStatus.SKIPPED}[ok]
         return cls(name, status, observed, required, fix, ok=ok, gate=gate, data=data or {},
                    is_verdict=True)
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from dsv4_offload.core.registry import StageSpec, spec
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.placement import runs_in_container
+from dsv4_offload.workspace.records import State
 
 
 def _digest(value: Any) -> str:
@@ -63,7 +64,7 @@ def load_stage_module(stage: StageSpec) -> Any | None:
         raise
 
 
-def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
+def fingerprint(ctx: StageContext, stage: StageSpec, state: State,
                 _memo: dict[str, dict[str, str]] | None = None) -> dict[str, str]:
     memo = {} if _memo is None else _memo
     if stage.name in memo:
@@ -74,7 +75,8 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
     if extra is not None and runs_in_container(ctx.recipe, stage.name):
         # its tool versions are the container's: the host takes those the container recorded
         # (the container's own run computes them afresh when it runs the stage)
-        recorded = state.get("stages", {}).get(stage.name, {}).get("fingerprint") or {}
+        record = state.record(stage.name)
+        recorded = (record.fingerprint if record is not None else None) or {}
         fp.update({k: v for k, v in recorded.items() if k.startswith("input.")})
     elif extra is not None:
         sub_ctx = ctx.for_stage(stage.name)
@@ -82,8 +84,8 @@ def fingerprint(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
             fp[f"input.{key}"] = str(value)
     for need in stage.needs:
         upstream = fingerprint(ctx, spec(need), state, memo)
-        record = state.get("stages", {}).get(need, {})
-        fp[f"stage.{need}"] = _digest([upstream, record.get("outputs")])
+        need_record = state.record(need)
+        fp[f"stage.{need}"] = _digest([upstream, need_record.outputs if need_record else None])
     memo[stage.name] = fp
     return fp
 

@@ -35,14 +35,16 @@ from dsv4_offload.core.errors import Dsv4Error, ExitCode
 from dsv4_offload.core.registry import StageSpec
 from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
+from dsv4_offload.core.states import StageState
 from dsv4_offload.weights import diskplan
 from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.records import StageRecord
 
 POLL_S = 0.1
 # a stage process stops its own children first (TERM, then KILL after KILL_GRACE_S)
 CHILD_GRACE_S = 2 * KILL_GRACE_S + 1
-OVER_OK = ("done", "skipped", "n/a")
-STOPPED = ("failed", "blocked", "interrupted")
+OVER_OK = (StageState.DONE, StageState.SKIPPED, StageState.NOT_APPLICABLE)
+STOPPED = (StageState.FAILED, StageState.BLOCKED, StageState.INTERRUPTED)
 ERROR_CODES = (ExitCode.FAILED, ExitCode.INVALID_INPUT, ExitCode.NOT_IMPLEMENTED)
 
 # --- the graph -----------------------------------------------------------------------------
@@ -61,7 +63,8 @@ class Slot:
     spec: StageSpec
     deps: tuple[str, ...]  # over (and not failed) before it starts
     follows: tuple[str, ...]  # running (or over) before it starts, followed meanwhile
-    state: str = "waiting"  # waiting running done skipped n/a failed blocked interrupted
+    state: StageState = StageState.WAITING  # then running, done, skipped, n/a, failed,
+    # blocked or interrupted
     reason: str = ""
     root: str = ""  # blocked: the failed stage behind it
     child: Child | None = None
@@ -75,7 +78,7 @@ class Slot:
     log: str | None = None
     final_seen: bool = False
     announced: bool = False  # its process said stage.started: its record says running
-    before: dict[str, Any] | None = None  # its record when it was started
+    before: StageRecord | None = None  # its record when it was started
 
     @property
     def name(self) -> str:
@@ -210,12 +213,12 @@ class Outcome:
 
     @property
     def failed(self) -> list[Slot]:
-        return [s for s in self.slots if s.state in ("failed", "interrupted")]
+        return [s for s in self.slots if s.state.stopped]
 
     def blocked_by(self, root: str) -> list[Slot]:
-        return [s for s in self.slots if s.state == "blocked" and s.root == root]
+        return [s for s in self.slots if s.state == StageState.BLOCKED and s.root == root]
 
-    def statuses(self) -> dict[str, str]:
+    def statuses(self) -> dict[str, StageState]:
         return {s.name: s.state for s in self.slots}
 
     def branches(self) -> list[dict[str, Any]]:
@@ -283,7 +286,7 @@ class Scheduler:
     def _loop(self) -> None:
         while True:
             self._start_ready()
-            running = [s for s in self.slots.values() if s.state == "running"]
+            running = [s for s in self.slots.values() if s.state == StageState.RUNNING]
             if not running:
                 break
             ended = [s for s in running if s.child is not None and s.child.proc.poll() is not None]
@@ -293,8 +296,8 @@ class Scheduler:
             if not ended:
                 time.sleep(POLL_S)
         for s in self.slots.values():  # cannot happen: every wait ends in a start or a block
-            if s.state == "waiting":
-                s.state, s.reason = "blocked", "never became ready"
+            if s.state == StageState.WAITING:
+                s.state, s.reason = StageState.BLOCKED, "never became ready"
 
     def _start_ready(self) -> None:
         changed = True
@@ -302,7 +305,7 @@ class Scheduler:
             changed = False
             for name in self.order:
                 s = self.slots[name]
-                if s.state != "waiting":
+                if s.state != StageState.WAITING:
                     continue
                 bad = next((d for d in (*s.deps, *s.follows)
                             if self.slots[d].state in STOPPED), None)
@@ -319,51 +322,51 @@ class Scheduler:
     def _followable(s: Slot) -> bool:
         """Over, or running with its record written (the follower waits for that record to
         end before it records its own: pipeline.run_stage)."""
-        return s.state in OVER_OK or (s.state == "running" and s.announced)
+        return s.state in OVER_OK or (s.state == StageState.RUNNING and s.announced)
 
     def _block(self, s: Slot, bad: str) -> None:
         b = self.slots[bad]
         how = "needs" if bad in s.spec.needs else "comes after"
-        if b.state == "blocked":
+        if b.state == StageState.BLOCKED:
             s.root = b.root
             s.reason = f"{how} {bad}, which is blocked ({b.root} {self.slots[b.root].state})"
         else:
             s.root = bad
-            went = "failed" if b.state == "failed" else "was interrupted"
+            went = "failed" if b.state == StageState.FAILED else "was interrupted"
             s.reason = f"{how} {bad}, which {went}"
-        s.state = "blocked"
+        s.state = StageState.BLOCKED
         self._emit("stage.blocked", stage=s.name, reason=s.reason)
 
     def _begin(self, s: Slot) -> None:
         why_not = P.not_applicable_reason(self.ctx, s.name)
         if why_not:
-            s.state, s.reason = "n/a", why_not
+            s.state, s.reason = StageState.NOT_APPLICABLE, why_not
             self._emit("stage.skipped", stage=s.name, reason=why_not)
             return
         try:
             # planned at its turn, as --serial does: what ran before changes its fingerprint
             item = P.plan(self.ctx, s.name, s.name, self.force)[0]
         except Dsv4Error as exc:
-            s.state, s.error, s.exit_code = "failed", exc.one_line(), int(exc.exit_code)
+            s.state, s.error, s.exit_code = StageState.FAILED, exc.one_line(), int(exc.exit_code)
             s.cli_error = s.error
             self._emit("stage.failed", stage=s.name, error=s.error, log=None)
             return
         if item.action == "skip":
-            s.state, s.reason = "skipped", item.reason
+            s.state, s.reason = StageState.SKIPPED, item.reason
             self._emit("stage.skipped", stage=s.name, reason=item.reason)
             return
         build = self.slots.get("build")
         build_pending = build is not None and build.state in ("waiting", "running")
         s.options = {**self.ctx.options, **jobs_for(s.name, self.cpu, build_pending)}
-        if any(self.slots[f].state == "running" for f in s.follows):
+        if any(self.slots[f].state == StageState.RUNNING for f in s.follows):
             s.options["follow"] = True
-        s.before = self.ws.read_state()["stages"].get(s.name)
+        s.before = self.ws.state().record(s.name)
         s.reason = item.reason
         out, err = self._stdio(s.name)
         with out, err:
             s.child = start(self._argv(s.name), env=self._env(s.options), stdout=out,
                             stderr=err)
-        s.state, s.t0 = "running", time.monotonic()
+        s.state, s.t0 = StageState.RUNNING, time.monotonic()
 
     def _argv(self, name: str) -> list[str]:
         recipe = self.ctx.recipe
@@ -390,35 +393,34 @@ class Scheduler:
             s.result = report.result
         if report.error:
             s.cli_error = report.error
-        record = self.ws.read_state()["stages"].get(s.name)
-        mine = record if record is not None and record != s.before else None
-        status = (mine or {}).get("status")
-        s.log = (mine or {}).get("log") or (s.result.log if s.result else None)
-        if code == 0 and status == "done":
-            s.state = "done"
-        elif status == "interrupted" or code in (ExitCode.HANGUP, ExitCode.INTERRUPTED,
-                                                 ExitCode.TERMINATED) or code < 0:
-            s.state = "interrupted"
-            s.error = (mine or {}).get("error") or (
+        record = self.ws.state().record(s.name)
+        mine = record if record is not None and record != s.before else StageRecord()
+        status = mine.status  # pending: none of its own
+        s.log = mine.log or (s.result.log if s.result else None)
+        if code == 0 and status == StageState.DONE:
+            s.state = StageState.DONE
+        elif status == StageState.INTERRUPTED or code in (
+                ExitCode.HANGUP, ExitCode.INTERRUPTED, ExitCode.TERMINATED) or code < 0:
+            s.state = StageState.INTERRUPTED
+            s.error = mine.error or (
                 f"the stage process ended by {signal.Signals(-code).name}" if code < 0
                 else f"the stage process exited {code}")
         else:
-            s.state = "failed"
-            s.error = (mine or {}).get("error") or s.cli_error or _last_line(
+            s.state = StageState.FAILED
+            s.error = mine.error or s.cli_error or _last_line(
                 self.path.parent / f"{s.name}.err") or f"exit code {code}"
-        if status == "running":  # it died without recording its end (killed outright)
+        if status == StageState.RUNNING:  # it died without recording its end (killed outright)
             s.error = (f"the stage process (pid {s.child.pid}) ended with exit code {code} "
                        "without recording its outcome")
-            self.ws.write_stage_record(s.name, {
-                **(mine or {}), "status": "interrupted" if s.state == "interrupted" else "failed",
-                "ended": events.stamp(), "error": s.error})
+            self.ws.write_stage_record(s.name, mine.changed(
+                status=s.state, ended=events.stamp(), error=s.error))
         if s.log is None:
             s.log = str(self.path.parent / f"{s.name}.err")
         if not s.final_seen:
-            if s.state == "done":
+            if s.state == StageState.DONE:
                 self._emit("stage.done", stage=s.name, summary=s.result.summary
                            if s.result else "", seconds=s.seconds)
-            elif s.state == "interrupted":
+            elif s.state == StageState.INTERRUPTED:
                 self._emit("stage.interrupted", stage=s.name, signal=s.error)
             else:
                 self._emit("stage.failed", stage=s.name, error=s.error, log=s.log)
@@ -430,14 +432,14 @@ class Scheduler:
         main = threading.current_thread() is threading.main_thread()
         previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
         try:
-            running = [s for s in self.slots.values() if s.state == "running"]
+            running = [s for s in self.slots.values() if s.state == StageState.RUNNING]
             stop_children([s.child for s in running if s.child is not None], CHILD_GRACE_S,
                           first=sig)
             self._drain()
             for s in running:
                 self._finish(s)
-                if s.state == "failed":  # stopped by us, whatever its exit said
-                    s.state = "interrupted"
+                if s.state == StageState.FAILED:  # stopped by us, whatever its exit said
+                    s.state = StageState.INTERRUPTED
         finally:
             if main:
                 signal.signal(signal.SIGINT, previous)
@@ -505,7 +507,7 @@ def stage_result(s: Slot) -> StageResult | None:
     """What the CLI renders for a stage that ran: its result, or one made of its error."""
     if s.result is not None:
         return s.result
-    if s.state in ("failed", "interrupted"):
+    if s.state.stopped:
         return StageResult(Status.FAILED, s.error, log=s.log)
     return None
 

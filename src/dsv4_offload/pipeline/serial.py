@@ -12,13 +12,15 @@ from dsv4_offload.core import childrun, events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
-from dsv4_offload.core.results import StageResult
+from dsv4_offload.core.results import Severity, StageResult
 from dsv4_offload.core.runner import interrupt_name
+from dsv4_offload.core.states import StageState
 from dsv4_offload.pipeline.fingerprint import fingerprint, load_stage_module, model_digest
 from dsv4_offload.pipeline.groups import groups_noted, sweep_leftovers
 from dsv4_offload.pipeline.status import NOT_APPLICABLE, not_applicable_reason, stage_status
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.placement import runs_in_container
+from dsv4_offload.workspace.records import StageRecord
 
 
 def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
@@ -43,9 +45,9 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     t0 = time.monotonic()
     me = procs.identity()
     # a running record replaces any earlier 'done': a killed rerun must not look finished
-    ws.write_stage_record(name, {"status": "running", "pid": me.pid,
-                                 "pid_start_time": me.start_time, "started": started,
-                                 "log": str(sub.log_dir)})
+    ws.write_stage_record(name, StageRecord(
+        status=StageState.RUNNING, pid=me.pid, pid_start_time=me.start_time, started=started,
+        log=str(sub.log_dir)))
     events.emit("stage.started", stage=name, log=str(sub.log_dir),
                 options={k: v for k, v in (options or {}).items()
                          if v and isinstance(v, (bool, int, float, str))})
@@ -54,10 +56,10 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
             result: StageResult = module.run(sub)
     except KeyboardInterrupt as exc:
         how = interrupt_name(exc) + _orphaned()
-        ws.write_stage_record(name, {
-            "status": "interrupted", "signal": interrupt_name(exc), "started": started,
-            "ended": now_iso(), "seconds": round(time.monotonic() - t0, 3),
-            "error": f"interrupted by {how}", "log": str(sub.log_dir)})
+        ws.write_stage_record(name, StageRecord(
+            status=StageState.INTERRUPTED, signal=interrupt_name(exc), started=started,
+            ended=now_iso(), seconds=round(time.monotonic() - t0, 3),
+            error=f"interrupted by {how}", log=str(sub.log_dir)))
         events.emit("stage.interrupted", stage=name, signal=interrupt_name(exc))
         raise
     except Dsv4Error as exc:
@@ -69,7 +71,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
     if result.log is None:
         result.log = str(sub.log_dir)
     if not result.ok:
-        first = next((p for p in result.problems if p.severity == "error"), None)
+        first = next((p for p in result.problems if p.severity == Severity.ERROR), None)
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result
@@ -77,18 +79,17 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         _await_streams(ws, stage)
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
-    fp = fingerprint(sub, stage, ws.read_state())
-    record = {
-        "status": "done", "started": started, "ended": now_iso(),
-        "seconds": round(time.monotonic() - t0, 3), "fingerprint": fp,
-        "outputs": result.outputs, "summary": result.summary, "result": result.status.value,
-        "log": result.log,
-    }
+    fp = fingerprint(sub, stage, ws.state())
+    seconds = round(time.monotonic() - t0, 3)
+    record = StageRecord(
+        status=StageState.DONE, started=started, ended=now_iso(), seconds=seconds,
+        fingerprint=fp, outputs=result.outputs, summary=result.summary, result=result.status,
+        log=result.log)
     inside = childrun.container_name()
-    if inside:
-        record["container"] = inside  # where its processes live (serve stop/status go there)
+    if inside:  # where its processes live (serve stop/status go there)
+        record = record.changed(container=inside)
     ws.write_stage_record(name, record)
-    events.emit("stage.done", stage=name, summary=result.summary, seconds=record["seconds"],
+    events.emit("stage.done", stage=name, summary=result.summary, seconds=seconds,
                 result=result.status.value)
     if result.outputs:
         ws.update_provenance(name, result.outputs)
@@ -106,21 +107,19 @@ def _await_streams(ws: Any, stage: StageSpec, poll: float = 0.2) -> None:
     only once they are over: it takes in their final records, so the next run finds it done.
     A followed stage whose process is gone while its record says running is over too."""
     while True:
-        records = ws.read_state().get("stages", {})
-        running = [records.get(n) or {} for n in stage.streams]
-        if not any(r.get("status") == "running" and procs.alive(r.get("pid"),
-                                                                r.get("pid_start_time"))
-                   for r in running):
+        state = ws.state()
+        records = [r for r in map(state.record, stage.streams) if r is not None]
+        if not any(r.status == StageState.RUNNING and procs.alive(r.pid, r.pid_start_time)
+                   for r in records):
             return
         time.sleep(poll)
 
 
 def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
                     ) -> None:
-    ws.write_stage_record(name, {
-        "status": "failed", "started": started, "ended": now_iso(),
-        "seconds": round(time.monotonic() - t0, 3), "error": error, "log": log,
-    })
+    ws.write_stage_record(name, StageRecord(
+        status=StageState.FAILED, started=started, ended=now_iso(),
+        seconds=round(time.monotonic() - t0, 3), error=error, log=log))
     events.emit("stage.failed", stage=name, error=error, log=log)
 
 
@@ -159,7 +158,7 @@ def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
 def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
          force: tuple[str, ...] = ()) -> list[PlanItem]:
     stages = stage_range(start, stop, force)
-    state = ctx.workspace.read_state()
+    state = ctx.workspace.state()
     memo: dict[str, dict[str, str]] = {}
     items = []
     for s in stages:
@@ -172,7 +171,7 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
                  if runs_in_container(ctx.recipe, s.name) else "")
         if st.state == NOT_APPLICABLE:
             items.append(PlanItem(s.name, "skip", st.reason, steps))
-        elif st.state == "done":
+        elif st.state == StageState.DONE:
             items.append(PlanItem(s.name, "skip", "done, inputs unchanged", steps))
         else:
             items.append(PlanItem(s.name, "run", (st.reason or st.state) + where, steps))

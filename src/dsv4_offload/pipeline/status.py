@@ -7,15 +7,17 @@ from typing import Any
 
 from dsv4_offload.core import events, procs
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec
+from dsv4_offload.core.states import StageState
 from dsv4_offload.pipeline.fingerprint import changed_inputs, fingerprint
 from dsv4_offload.pipeline.groups import leftover_processes
 from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.records import State
 
 
 @dataclass
 class StageStatus:
     name: str
-    state: str  # done | stale | failed | interrupted | running | pending
+    state: StageState  # done, stale, failed, interrupted, running, pending or n/a
     reason: str = ""
     started: str | None = None
     ended: str | None = None
@@ -27,7 +29,7 @@ class StageStatus:
         return self.__dict__.copy()
 
 
-NOT_APPLICABLE = "n/a"
+NOT_APPLICABLE = StageState.NOT_APPLICABLE
 
 
 def not_applicable_reason(ctx: StageContext, name: str) -> str | None:
@@ -39,37 +41,38 @@ def not_applicable_reason(ctx: StageContext, name: str) -> str | None:
     return f"not applicable to recipe {ctx.recipe.name}, which ends at {last}"
 
 
-def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
+def stage_status(ctx: StageContext, stage: StageSpec, state: State,
                  memo: dict[str, dict[str, str]] | None = None) -> StageStatus:
     why_not = not_applicable_reason(ctx, stage.name)
     if why_not:
         return StageStatus(stage.name, NOT_APPLICABLE, why_not, summary=stage.summary)
-    record = state.get("stages", {}).get(stage.name)
-    if not record:
-        return StageStatus(stage.name, "pending", summary=stage.summary)
+    record = state.record(stage.name)
+    if record is None or not record.model_fields_set:  # none, or an empty one
+        return StageStatus(stage.name, StageState.PENDING, summary=stage.summary)
     base = StageStatus(
-        stage.name, record.get("status", "pending"), started=record.get("started"),
-        ended=record.get("ended"), log=record.get("log"), summary=record.get("summary", ""),
+        stage.name, record.status, started=record.started, ended=record.ended,
+        log=record.log, summary=record.summary or "",
     )
-    if base.state == "running":
+    if base.state == StageState.RUNNING:
         # by pid and start time: a pid since reused by another process is not our run
-        if procs.alive(record.get("pid"), record.get("pid_start_time")):
-            base.reason = f"running (pid {record.get('pid')})"
-            base.pid = record.get("pid")
+        if procs.alive(record.pid, record.pid_start_time):
+            base.reason = f"running (pid {record.pid})"
+            base.pid = record.pid
             return base
-        base.state, base.reason = "interrupted", "the process running it was killed; rerun it"
+        base.state = StageState.INTERRUPTED
+        base.reason = "the process running it was killed; rerun it"
         left = leftover_processes(ctx.workspace, name=stage.name)
         if left:
             base.reason += (f" ({len(left)} of its processes still run: pids "
                             f"{', '.join(map(str, left[:5]))}; the next run stops them)")
         return base
-    if base.state in ("failed", "interrupted"):
-        base.reason = record.get("error", "")
+    if base.state.stopped:
+        base.reason = record.error or ""
         return base
     current = fingerprint(ctx, stage, state, memo)
-    changed = changed_inputs(record.get("fingerprint", {}), current)
+    changed = changed_inputs(record.fingerprint or {}, current)
     if changed:
-        base.state = "stale"
+        base.state = StageState.STALE
         more = f" (+{len(changed) - 3} more)" if len(changed) > 3 else ""
         shown = ", ".join(changed[:3]) + more
         base.reason = f"changed: {shown}"
@@ -77,10 +80,10 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: dict[str, Any],
 
 
 def pipeline_status(ctx: StageContext) -> list[StageStatus]:
-    state = ctx.workspace.read_state()
+    state = ctx.workspace.state()
     memo: dict[str, dict[str, str]] = {}
     rows = [stage_status(ctx, s, state, memo) for s in STAGES]
-    running = [r for r in rows if r.state == "running"]
+    running = [r for r in rows if r.state == StageState.RUNNING]
     if running:  # what is in flight: the latest progress each told the run's event stream
         from dsv4_offload.core.inflight import InFlight
 

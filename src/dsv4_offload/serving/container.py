@@ -52,6 +52,7 @@ from dsv4_offload.core.runner import (
     run_command,
     start,
 )
+from dsv4_offload.core.states import StageState
 from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
 from dsv4_offload.workspace.store import Workspace
 
@@ -700,11 +701,10 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
 def _interrupt_inside(plan: ContainerPlan, workspace: Workspace, stage: str) -> None:
     """Ctrl-C for the stage's process in the container: killing the `docker exec` client
     would leave it running (and writing the state) after the host let go of the lock."""
-    record = workspace.read_state().get("stages", {}).get(stage) or {}
-    pid = record.get("pid")
-    if record.get("status") == "running" and isinstance(pid, int):
+    record = workspace.state().record(stage)
+    if record is not None and record.status == StageState.RUNNING and record.pid is not None:
         with contextlib.suppress(Dsv4Error):
-            docker_query(_exec(plan, ["kill", "-INT", str(pid)]))
+            docker_query(_exec(plan, ["kill", "-INT", str(record.pid)]))
 
 
 def _run_capturing(argv: list[str], log: Path, on_interrupt: Any = None,

@@ -198,8 +198,8 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     if python is None:
         # `status` has no --python: take the interpreter the last build used, so a build
         # made with --python does not look stale afterwards
-        record = ctx.workspace.read_state().get("stages", {}).get("build", {})
-        python = (record.get("outputs") or {}).get("python") or ctx.recipe.build.interpreter
+        python = ctx.workspace.state().outputs("build").get("python") or \
+            ctx.recipe.build.interpreter
     cc = ctx.recipe.platform.cc or "gcc"
     out = {
         "python": python_version(python) or "missing",

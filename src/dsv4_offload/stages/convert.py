@@ -124,8 +124,7 @@ def _source_used(ctx: StageContext) -> Path:
     recipe's MXFP4 download."""
     if ctx.option("source"):
         return source_dir(ctx)
-    record = ctx.workspace.read_state().get("stages", {}).get("convert") or {}
-    recorded = (record.get("outputs") or {}).get("source")
+    recorded = ctx.workspace.state().outputs("convert").get("source")
     return Path(recorded) if isinstance(recorded, str) and recorded else source_dir(ctx)
 
 

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from dsv4_offload.core import procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.states import StageState
 from dsv4_offload.weights.checkpoint import CONFIG_FILE, INDEX_FILE, expert_layer
 from dsv4_offload.weights.hubs import HubFile, HubListing
 from dsv4_offload.workspace.store import atomic_write_json, read_json
@@ -162,17 +163,16 @@ def look(ws: Workspace, recipe: Recipe, which: str = "mxfp4") -> DownloadView:
     it names (pid and start time) is gone. While it runs, only failures it found itself
     count (an earlier run's are retried); once it has ended, every failure recorded counts.
     """
-    record = ws.read_state().get("stages", {}).get("download")
-    if not isinstance(record, dict):
+    record = ws.state().record("download")
+    if record is None:
         view = DownloadView(ended=True, state="no download recorded")
-    elif record.get("status") != "running":
-        error = record.get("error")
-        view = DownloadView(ended=True, state=f"{record.get('status')}"
-                            + (f": {error}" if isinstance(error, str) and error else ""))
-    elif not procs.alive(record.get("pid"), record.get("pid_start_time")):
-        view = DownloadView(ended=True, state=f"killed (pid {record.get('pid')} is gone)")
+    elif record.status != StageState.RUNNING:
+        view = DownloadView(ended=True, state=f"{record.status}"
+                            + (f": {record.error}" if record.error else ""))
+    elif not procs.alive(record.pid, record.pid_start_time):
+        view = DownloadView(ended=True, state=f"killed (pid {record.pid} is gone)")
     else:
-        view = DownloadView(state=f"running (pid {record.get('pid')})")
+        view = DownloadView(state=f"running (pid {record.pid})")
     spec = getattr(recipe.weights, which)
     local_dir = ws.weights_dir(recipe, which)
     try:
@@ -184,7 +184,7 @@ def look(ws: Workspace, recipe: Recipe, which: str = "mxfp4") -> DownloadView:
     for path, entry in files["verified"].items():
         if isinstance(path, str) and unchanged_on_disk(local_dir / path, entry):
             view.verified.add(path)
-    runner = (record or {}).get("pid"), (record or {}).get("pid_start_time")
+    runner = (record.pid, record.pid_start_time) if record is not None else (None, None)
     for path, entry in files.get("failed", {}).items():
         if not isinstance(entry, dict) or path in view.verified:
             continue

@@ -14,13 +14,20 @@ from typing import TYPE_CHECKING, Any
 from dsv4_offload.core import childrun, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError, LockedError
+from dsv4_offload.workspace.records import (
+    STATE_SCHEMA,
+    RawRecord,
+    RawState,
+    StageRecord,
+    State,
+    load_state,
+)
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
 
 DEFAULT_WORKSPACE = "./dsv4-work"
 WORKSPACE_ENV = "DSV4_WORKSPACE"
-STATE_SCHEMA = 1
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -53,19 +60,6 @@ def create_exclusive(path: Path, mode: int = 0o644) -> int:
         os.unlink(path)  # unlinks a symlink itself, never its target
     return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                    mode)
-
-
-def _record_problem(record: Any) -> str | None:
-    """Why a stage record of the state file cannot be read, or None."""
-    if not isinstance(record, dict):
-        return f"a {type(record).__name__}, not an object"
-    for key in ("status", "started", "ended", "log", "summary"):
-        if record.get(key) is not None and not isinstance(record[key], str):
-            return f"'{key}' is not text"
-    for key in ("fingerprint", "outputs"):
-        if record.get(key) is not None and not isinstance(record[key], dict):
-            return f"'{key}' is not an object"
-    return None
 
 
 def atomic_write_json(path: Path, value: Any) -> None:
@@ -344,19 +338,14 @@ class Workspace:
                 fh.flush()
 
     # --- state ---
-    def read_state(self) -> dict[str, Any]:
-        state = read_json(self.state_file, {"schema": STATE_SCHEMA, "stages": {}})
-        if not isinstance(state, dict) or not isinstance(state.get("stages"), dict):
-            raise InputError(
-                f"{self.state_file}: not a dsv4-offload state file; move it aside and rerun"
-            )
-        for name, record in state["stages"].items():
-            why = _record_problem(record)
-            if why:
-                raise InputError(f"{self.state_file}: the record of stage '{name}' is "
-                                 f"malformed ({why}); delete that entry (or move the file "
-                                 "aside) and rerun: the stage runs again")
-        return state
+    def state(self) -> State:
+        """The state file, typed (workspace/records); empty when there is none yet."""
+        return load_state(read_json(self.state_file, {"schema": STATE_SCHEMA, "stages": {}}),
+                          self.state_file)
+
+    def read_state(self) -> RawState:
+        """The state file as it is on disk, checked and brought to this version."""
+        return self.state().as_raw()
 
     @contextlib.contextmanager
     def records_locked(self) -> Iterator[None]:
@@ -374,12 +363,15 @@ class Workspace:
         finally:
             os.close(fd)  # closing the descriptor releases the flock
 
-    def write_stage_record(self, stage: str, record: dict[str, Any]) -> None:
+    def write_stage_record(self, stage: str, record: StageRecord | RawRecord) -> None:
+        """Record the stage's last run (a raw record is read as the file's would be)."""
+        if not isinstance(record, StageRecord):
+            try:
+                record = StageRecord.from_raw(record)
+            except ValueError as exc:
+                raise ValueError(f"the record of stage '{stage}': {exc}") from None
         with self.records_locked():
-            state = self.read_state()
-            state["schema"] = STATE_SCHEMA
-            state["stages"][stage] = record
-            atomic_write_json(self.state_file, state)
+            atomic_write_json(self.state_file, self.state().with_record(stage, record).as_raw())
 
     # --- provenance ---
     def update_provenance(self, section: str, value: Any) -> None:
