@@ -67,6 +67,10 @@ class StageSpec:
     needs: tuple[str, ...]
     recipe_fields: tuple[str, ...]  # dotted recipe paths whose values feed the fingerprint
     exclude: tuple[str, ...] = ()  # dotted paths (prefixes) left out of those
+    # dotted paths (prefixes) it reads that are not among those, and rightly: its module's
+    # fingerprint_inputs judges what they make of the host or the tree (doctor's checks,
+    # build's interpreter); tests/recipe_reads.py holds every row to what its stage reads
+    reads: tuple[str, ...] = ()
     summary: str = ""
     run_options: dict[str, Any] = field(default_factory=dict)  # options when run by `run`
     # needs a pipelined `run` may start beside, before they are done: the stage follows
@@ -91,16 +95,25 @@ class StageSpec:
         return f"{package}.{self.name.replace('-', '_')}"
 
 
+# what any stage may read that is no input of its result: the recipe's labels, and the
+# stages the recipe leaves out (the pipeline's to judge, before a stage runs)
+LABELS = ("name", "description", "not_applicable")
+
 STAGES: tuple[StageSpec, ...] = (
-    StageSpec("doctor", (), ("host",), summary="host preflight", branch="host"),
+    # it judges every stage's requirements of the host; its fingerprint_inputs digests the
+    # outcome of every check, so what it reads of the rest of the recipe reaches it there
+    StageSpec("doctor", (), ("host",), summary="host preflight", branch="host",
+              reads=("build", "conversion", "platform", "runtime", "selftest", "serve",
+                     "sources", "tree_root")),
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits",
               after=("doctor",), branch="build"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits",
               branch="build"),
     # a build made in another image (or on the host instead of in one) is not this one
+    # host.python: the interpreter it must be; the one it used is in its fingerprint_inputs
     StageSpec("build", ("patch",), ("build", "platform", "runtime.kind", "runtime.image"),
               summary="kt-kernel, gguf-py, sglang", cpu=Cpu.COMPILE, steps="build.steps",
-              branch="build"),
+              branch="build", reads=("host.python",)),
     # before the downloads: a bad build stops `run` before hours of transfers
     StageSpec("selftest", ("build",), ("selftest",),
               exclude=("selftest.real_layer.enabled", "selftest.real_layer.layer"),
@@ -119,8 +132,10 @@ STAGES: tuple[StageSpec, ...] = (
         summary="MXFP4 experts into per-layer GGUF",
         cpu=Cpu.YIELDS, disk_sets=(GGUF,), branch="weights", view=View.LAYERS,
     ),
+    # where the built kt-kernel is: its fingerprint_inputs has the extension's files
     StageSpec("verify-gguf", ("convert",), ("conversion", "selftest.real_layer"),
-              summary="sizes, digests, bit-exact, a layer through kt-kernel", branch="weights"),
+              summary="sizes, digests, bit-exact, a layer through kt-kernel", branch="weights",
+              reads=("build.steps", "selftest.module_dir")),
     StageSpec(
         "serve",
         ("build", "verify-gguf"),
