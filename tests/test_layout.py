@@ -362,3 +362,16 @@ def test_a_stage_with_cpu_and_disk_needs_is_a_row_and_a_module(
     console = Console(record=True, width=200)
     console.print(render_flight(flight, flight.run_started or 0.0))
     assert "packed 4.0 KiB/4.0 KiB" in console.export_text()
+
+
+# the generic parts: what they need of a stage is its registry row, never its name
+GENERIC = ("pipeline/schedule.py", "pipeline/serial.py", "cli/live.py", "core/inflight.py")
+
+
+def test_the_generic_parts_name_no_stage() -> None:
+    from dsv4_offload.core.registry import STAGE_NAMES
+
+    named = [f"{rel}:{node.lineno} {node.value!r}" for rel in GENERIC
+             for node in ast.walk(ast.parse((ROOT / rel).read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and node.value in STAGE_NAMES]
+    assert not named, "a stage named where its registry row should say it:\n" + "\n".join(named)

@@ -2,7 +2,7 @@
 
 One :class:`InFlight` takes the events in file order (``feed``) and keeps, per stage, what
 the live view and `status` show: its state and pid, the build step running, bytes and rate
-per weight set (``stage.progress`` of the tasks ``download <set>``), files verified, layers
+per disk set (``stage.progress`` of the tasks ``<stage> <set>``), files verified, layers
 converted and verified (``layer.*``), the latest progress of any other task, and when it
 started and ended. Which stage reports what is its registry row's ``view``. Pure: no
 terminal, no files.
