@@ -92,6 +92,25 @@ def no_leftovers(tmp_path: Path):  # type: ignore[no-untyped-def]
     yield from leftover_guard(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def recipe_reads():  # type: ignore[no-untyped-def]
+    """Every stage run in this process records the recipe fields it reads; the test fails
+    when its registry row does not account for one (tests/recipe_reads.py says why)."""
+    from recipe_reads import uncovered, watch
+
+    from dsv4_offload.core.registry import spec
+
+    found: dict[str, set[str]] = {}
+    unwrap = watch(found)
+    yield found
+    unwrap()
+    missing = {name: uncovered(spec(name), reads) for name, reads in found.items()}
+    missing = {name: fields for name, fields in missing.items() if fields}
+    assert not missing, ("recipe fields a stage read that its registry row (recipe_fields, "
+                         "exclude, reads, or its needs' recipe_fields) does not name: "
+                         f"{missing}")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The `slow` tests last (a stable sort: the others keep their order): on a fresh
     machine the real peer's wheel is still being built in the background (.ci/run) while

@@ -272,3 +272,106 @@ def test_the_spawn_checker_sees_every_form(tmp_path: Path) -> None:
             "subprocess.TimeoutExpired(['x'], 1)\nrun(['x'])\n")
     (tmp_path / "m.py").write_text(code)
     assert _direct_spawns(tmp_path / "m.py") == [4, 5, 6, 8]
+
+
+# a stage with CPU and disk needs: its row says them, the generic parts read the row
+REPACK_ROW = (
+    "r.StageSpec('repack', ('download',), ('conversion',), summary='repack the experts',\n"
+    "            cpu=r.Cpu.YIELDS, branch='weights', view=r.View.SETS,\n"
+    "            disk_sets=(r.DiskSet('packed', 'conversion.gguf_dir',\n"
+    "                                 ('conversion.layers', 'conversion.expected_file_bytes')),))")
+REPACK_MODULE = (
+    "from dsv4_offload.core.results import StageResult, Status\n"
+    "def run(ctx):\n"
+    "    with ctx.task('repack packed', total=4096, unit='B') as task:\n"
+    "        task.update(completed=4096)\n"
+    "    (ctx.workspace.root / 'repack.jobs').write_text(str(ctx.option('jobs')))\n"
+    "    return StageResult(Status.OK, 'experts repacked')\n")
+
+
+def test_a_stage_with_cpu_and_disk_needs_is_a_row_and_a_module(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that takes jobs (yielding to the build) and writes a disk set of its own: the
+    scheduler gives it jobs, the disk preflight counts its set, the live and in-flight views
+    place it and show its bytes, none of them changed for it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from dsv4_offload.cli.live import branches, cpu_words, render_flight
+    from dsv4_offload.core import registry
+    from dsv4_offload.core.inflight import InFlight
+
+    site = tmp_path / "site"
+    (site / "extrastages").mkdir(parents=True)
+    (site / "sitecustomize.py").write_text(
+        "from dsv4_offload.core import registry as r\n"
+        f"r.STAGES = (*r.STAGES, {REPACK_ROW})\n"
+        "r.STAGE_NAMES = tuple(s.name for s in r.STAGES)\n")
+    (site / "extrastages" / "__init__.py").write_text("")
+    for name in ("doctor", "fetch", "patch", "build", "selftest", "download", "convert",
+                 "verify_gguf", "serve", "accept"):
+        (site / "extrastages" / f"{name}.py").write_text(
+            f"from fakestages import make\nrun = make({name.replace('_', '-')!r})\n")
+    (site / "extrastages" / "repack.py").write_text(REPACK_MODULE)
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "DSV4_STAGE_PACKAGE": "extrastages",
+           "PYTHONPATH": os.pathsep.join([str(site), str(tests), str(ROOT.parent)])}
+    env.pop("DSV4_WORKSPACE", None)
+    ws = tmp_path / "ws"
+    overlay = tmp_path / "host.yaml"
+    overlay.write_text("extends: dsv4-flash-910b\nname: host-pipeline\nruntime:\n  kind: host\n"
+                       "weights: {w8a8: {expected_bytes: 1}, mxfp4: {expected_bytes: 1}}\n"
+                       "conversion: {expected_file_bytes: 1}\n"
+                       "pipeline: {cores: 8, convert_jobs: 3}\n")
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", PACKAGE, "-w", str(ws), "-r", str(overlay),
+                               *args], capture_output=True, text=True, env=env, timeout=120,
+                              stdin=subprocess.DEVNULL)
+
+    planned = cli("--json", "run", "--dry-run")
+    assert planned.returncode == 0, planned
+    data = json.loads(planned.stdout)["data"]
+    plan = {p["stage"]: p for p in data["plan"]}
+    # the jobs beside a build of this run (pipeline.convert_jobs_beside_build), as convert's
+    assert plan["repack"]["options"] == {"jobs": 1} and plan["convert"]["options"]["jobs"] == 1
+    assert plan["repack"]["waits_for"] == ["download"] and "build" in plan["repack"]["beside"]
+    assert [s["set"] for fs in data["disk"] for s in fs["sets"]] == ["w8a8", "mxfp4", "gguf",
+                                                                     "packed"]
+    # no build in the run: the jobs it takes alone (pipeline.convert_jobs)
+    alone = json.loads(cli("--json", "run", "--from", "download", "--dry-run").stdout)["data"]
+    assert {p["stage"]: p for p in alone["plan"]}["repack"]["options"] == {"jobs": 3}
+    ran = cli("--json", "run", "--from", "download", "--to", "repack")
+    assert ran.returncode == 0, ran
+    assert (ws / "repack.jobs").read_text() == "3"
+    # the views, in this process, with the same row added
+    monkeypatch.setattr(registry, "STAGES", (*registry.STAGES, eval(REPACK_ROW, {"r": registry})))
+    flight = InFlight()
+    for line in ran.stdout.splitlines():
+        flight.feed(json.loads(line))
+    repack = flight.stages["repack"]
+    assert repack.state == "done" and repack.sets["packed"].completed == 4096, repack
+    assert branches(flight)["weights"] == ["download", "convert", "verify-gguf", "repack"]
+    assert cpu_words(type("Cpu", (), {"build_jobs": 7, "convert_beside_build": 1,
+                                      "convert_alone": 3})()) == \
+        "build 7 jobs, convert, repack 1 beside build, then 3"
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    console.print(render_flight(flight, flight.run_started or 0.0))
+    assert "packed 4.0 KiB/4.0 KiB" in console.export_text()
+
+
+# the generic parts: what they need of a stage is its registry row, never its name
+GENERIC = ("pipeline/schedule.py", "pipeline/serial.py", "cli/live.py", "core/inflight.py")
+
+
+def test_the_generic_parts_name_no_stage() -> None:
+    from dsv4_offload.core.registry import STAGE_NAMES
+
+    named = [f"{rel}:{node.lineno} {node.value!r}" for rel in GENERIC
+             for node in ast.walk(ast.parse((ROOT / rel).read_text(encoding="utf-8")))
+             if isinstance(node, ast.Constant) and node.value in STAGE_NAMES]
+    assert not named, "a stage named where its registry row should say it:\n" + "\n".join(named)

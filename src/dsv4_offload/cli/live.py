@@ -25,13 +25,24 @@ from rich.table import Table
 from rich.text import Text
 
 from dsv4_offload.cli.render import console, styled
+from dsv4_offload.core import registry
 from dsv4_offload.core.inflight import InFlight, human_seconds
+from dsv4_offload.core.registry import Cpu
 
 GIB = 1024**3
 
-# the branches of the stage graph, as the view groups them (a stage of no branch: its own)
-BRANCHES = (("host", ("doctor",)), ("build", ("fetch", "patch", "build", "selftest")),
-            ("weights", ("download", "convert", "verify-gguf")), ("server", ("serve", "accept")))
+
+def branches(flight: InFlight) -> dict[str, list[str]]:
+    """The branches of the stage graph, as the view groups them: each row's ``branch`` in
+    registry order; a stage of no branch, or of no row, is a group of its own."""
+    out: dict[str, list[str]] = {}
+    for s in registry.STAGES:
+        out.setdefault(s.branch or s.name, []).append(s.name)
+    placed = {n for names in out.values() for n in names}
+    for name in flight.stages:
+        if name not in placed:
+            out.setdefault(name, []).append(name)
+    return out
 
 
 class JsonLines:
@@ -136,9 +147,7 @@ def render_flight(flight: InFlight, now: float, layers: int | None = None) -> An
     table = Table(show_header=True, pad_edge=False, box=None)
     for col in ("branch", "stage", "state", "elapsed", "progress"):
         table.add_column(col, overflow="fold")
-    placed = {s for _, names in BRANCHES for s in names}
-    groups = [*BRANCHES, *(((n,), (n,)) for n in flight.stages if n not in placed)]
-    for label, names in groups:
+    for label, names in branches(flight).items():
         first = True
         for name in names:
             if name not in flight.stages and name not in flight.plan:
@@ -183,9 +192,7 @@ def plan_lines(items: list[Any], cpu: Any, disk: list[Any]) -> list[str]:
         if i.steps:
             line += f"\n{'':12}       steps: {escape(', '.join(i.steps))}"
         out.append(line)
-    convert = (f"convert {cpu.convert_beside_build} beside build, then "
-               f"{cpu.convert_alone or 'its default'}")
-    out.append(escape(f"cpu: {cpu.cores} cores: build {_jobs(cpu.build_jobs)}, {convert}"))
+    out.append(escape(f"cpu: {cpu.cores} cores: {cpu_words(cpu)}"))
     for fs in disk:
         word = styled("failed") if fs.short else styled("ok")
         out.append(f"disk: {word} "
@@ -220,6 +227,19 @@ def outcome_lines(outcome: Any) -> list[str]:
     else:
         out.append(escape(f"run done in {human_seconds(outcome.seconds)}: {what}"))
     return out
+
+
+def cpu_words(cpu: Any) -> str:
+    """The budget by CPU class, naming the stages of each (their registry rows)."""
+    def named(cls: Cpu) -> str:
+        return ", ".join(s.name for s in registry.STAGES if s.cpu is cls)
+
+    compiling, yielding = named(Cpu.COMPILE), named(Cpu.YIELDS)
+    words = [f"{compiling} {_jobs(cpu.build_jobs)}"] if compiling else []
+    if yielding:
+        beside = f"{cpu.convert_beside_build} beside {compiling}, then " if compiling else ""
+        words.append(f"{yielding} {beside}{cpu.convert_alone or 'its default'}")
+    return ", ".join(words) or "no stage takes jobs"
 
 
 def _jobs(n: int) -> str:

@@ -2,9 +2,10 @@
 
 One :class:`InFlight` takes the events in file order (``feed``) and keeps, per stage, what
 the live view and `status` show: its state and pid, the build step running, bytes and rate
-per weight set (``stage.progress`` of the tasks ``download <set>``), files verified, layers
+per disk set (``stage.progress`` of the tasks ``<stage> <set>``), files verified, layers
 converted and verified (``layer.*``), the latest progress of any other task, and when it
-started and ended. Pure: no terminal, no files.
+started and ended. Which stage reports what is its registry row's ``view``. Pure: no
+terminal, no files.
 """
 
 from __future__ import annotations
@@ -13,6 +14,9 @@ import datetime as dt
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
+
+from dsv4_offload.core import registry
+from dsv4_offload.core.registry import View
 
 RATE_WINDOW = 20  # progress samples a rate is taken over (about 20 s: one per second)
 FINAL = ("done", "failed", "interrupted", "skipped", "blocked")
@@ -26,6 +30,11 @@ def epoch(stamp: Any) -> float | None:
         return dt.datetime.fromisoformat(stamp).timestamp()
     except ValueError:
         return None
+
+
+def view_of(stage: str) -> View:
+    """The stage's progress as its registry row has it (a stage of no row: its tasks)."""
+    return next((s.view for s in registry.STAGES if s.name == stage), View.TASK)
 
 
 def human_bytes(n: float | None) -> str:
@@ -92,7 +101,7 @@ class StageFlight:
     pid: int | None = None
     started: float | None = None
     ended: float | None = None
-    step: str | None = None  # build: the step running
+    step: str | None = None  # the step running (step.started, as build says)
     steps_done: list[str] = field(default_factory=list)
     task: str | None = None  # the latest progress of any task
     completed: float = 0.0
@@ -209,7 +218,8 @@ class InFlight:
         completed = _num(doc.get("completed")) or 0.0
         total = _num(doc.get("total"))
         words = task.split()
-        if len(words) == 2 and words[0] == "download":
+        # a stage that shows its disk sets reports each one's bytes as the task "<stage> <set>"
+        if len(words) == 2 and words[0] == st.stage and view_of(st.stage) is View.SETS:
             flight = st.sets.setdefault(words[1], SetFlight(words[1]))
             flight.completed, flight.total = completed, total
             if when is not None:
@@ -226,14 +236,15 @@ class InFlight:
         layers have been converting: a projection, None until there is a rate to go by."""
         etas = [f.eta for s in self.stages.values() for f in s.sets.values()
                 if s.state == "running" and f.eta is not None]
-        convert = self.stages.get("convert")
+        paced = next((self.stages[s.name] for s in registry.STAGES  # the layers stage
+                      if s.view is View.LAYERS and s.name in self.stages), None)
         per_layer = None
-        if convert and convert.started and convert.layers_converted:
-            per_layer = (now - convert.started) / len(convert.layers_converted)
+        if paced and paced.started and paced.layers_converted:
+            per_layer = (now - paced.started) / len(paced.layers_converted)
         if etas:
             return now + max(etas) + (per_layer or 0.0)
-        if convert and convert.state == "running" and per_layer and layers_total:
-            return now + per_layer * max(0, layers_total - len(convert.layers_converted))
+        if paced and paced.state == "running" and per_layer and layers_total:
+            return now + per_layer * max(0, layers_total - len(paced.layers_converted))
         return None
 
 

@@ -32,7 +32,7 @@ from typing import Any
 from dsv4_offload import pipeline as P
 from dsv4_offload.core import childrun, events
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
-from dsv4_offload.core.registry import StageSpec
+from dsv4_offload.core.registry import Cpu, StageSpec
 from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
 from dsv4_offload.core.states import StageState
@@ -134,13 +134,13 @@ def budget(ctx: StageContext) -> Budget:
     return Budget(cores, build, p.convert_jobs_beside_build, p.convert_jobs or None)
 
 
-def jobs_for(name: str, cpu: Budget, build_pending: bool) -> dict[str, Any]:
-    """The `jobs` option of a stage: build's compile jobs, convert's conversion jobs (fewer
-    while a build of this run is still to finish)."""
-    if name == "build":
+def jobs_for(stage: StageSpec, cpu: Budget, compile_pending: bool) -> dict[str, Any]:
+    """The `jobs` option of a stage, by its CPU class: the compile budget, or the budget
+    that yields (fewer jobs while a compiling stage of this run is still to finish)."""
+    if stage.cpu is Cpu.COMPILE:
         return {"jobs": cpu.build_jobs}
-    if name == "convert":
-        jobs = cpu.convert_beside_build if build_pending else cpu.convert_alone
+    if stage.cpu is Cpu.YIELDS:
+        jobs = cpu.convert_beside_build if compile_pending else cpu.convert_alone
         return {"jobs": jobs} if jobs else {}
     return {}
 
@@ -181,7 +181,8 @@ def overlapped_plan(ctx: StageContext, start: str | None, stop: str | None,
                   and item.stage not in _before(slots, o, memo)
                   and item.stage not in slots[o].follows]
         follows = [f for f in s.follows if f in runs]
-        options = jobs_for(item.stage, cpu, "build" in runs and "build" not in mine)
+        compiling = any(slots[o].spec.cpu is Cpu.COMPILE and o not in mine for o in runs)
+        options = jobs_for(s.spec, cpu, compiling)
         if follows:
             options["follow"] = True
         out.append(OverlapItem(item.stage, "run", item.reason, item.steps,
@@ -191,11 +192,9 @@ def overlapped_plan(ctx: StageContext, start: str | None, stop: str | None,
 
 
 def disk_needs(ctx: StageContext, items: list[OverlapItem]) -> list[diskplan.FsNeed]:
-    """The peak disk of the plan: the weight sets when download runs, the GGUF set when
-    convert does, what is on disk already taken off, per filesystem."""
-    runs = {i.stage for i in items if i.action == "run"}
-    sets = (("w8a8", "mxfp4") if "download" in runs else ()) + (
-        ("gguf",) if "convert" in runs else ())
+    """The peak disk of the plan: the disk sets of the stages it runs (their registry rows),
+    what is on disk already taken off, per filesystem."""
+    sets = tuple(d for i in items if i.action == "run" for d in P.spec(i.stage).disk_sets)
     if not sets:
         return []
     return diskplan.by_filesystem(diskplan.set_needs(ctx.recipe, ctx.workspace, sets))
@@ -355,9 +354,10 @@ class Scheduler:
             s.state, s.reason = StageState.SKIPPED, item.reason
             self._emit("stage.skipped", stage=s.name, reason=item.reason)
             return
-        build = self.slots.get("build")
-        build_pending = build is not None and build.state in ("waiting", "running")
-        s.options = {**self.ctx.options, **jobs_for(s.name, self.cpu, build_pending)}
+        compiling = any(o.spec.cpu is Cpu.COMPILE
+                        and o.state in (StageState.WAITING, StageState.RUNNING)
+                        for o in self.slots.values())
+        s.options = {**self.ctx.options, **jobs_for(s.spec, self.cpu, compiling)}
         if any(self.slots[f].state == StageState.RUNNING for f in s.follows):
             s.options["follow"] = True
         s.before = self.ws.state().record(s.name)

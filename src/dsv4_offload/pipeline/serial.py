@@ -11,7 +11,7 @@ from typing import Any
 from dsv4_offload.core import childrun, events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
-from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, spec
+from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, recipe_value, spec
 from dsv4_offload.core.results import Severity, StageResult
 from dsv4_offload.core.runner import interrupt_name
 from dsv4_offload.core.states import StageState
@@ -139,7 +139,7 @@ class PlanItem:
     stage: str
     action: str  # run | skip
     reason: str
-    steps: list[str] = field(default_factory=list)  # build: its steps, in order
+    steps: list[str] = field(default_factory=list)  # its row's steps (build's), in order
 
 
 def stage_range(start: str | None, stop: str | None, force: tuple[str, ...] = ()
@@ -162,7 +162,7 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
     memo: dict[str, dict[str, str]] = {}
     items = []
     for s in stages:
-        steps = [b.name for b in ctx.recipe.build.steps] if s.name == "build" else []
+        steps = [b.name for b in recipe_value(ctx.recipe, s.steps)] if s.steps else []
         if s.name in force:
             items.append(PlanItem(s.name, "run", "forced", steps))
             continue

@@ -5,11 +5,13 @@ prefill, KT_MXFP4_CKPT), so the peak of a pipelined run (the download and the co
 overlapping) is the same as the end of a serial one: W8A8 + MXFP4 + GGUF. What a run still
 needs is each set's expected size (``weights.*.expected_bytes``, ``conversion.layers x
 conversion.expected_file_bytes``) minus what is already on disk there, counted per filesystem
-(``st_dev``): three directories on one disk share its free space.
+(``st_dev``): three directories on one disk share its free space. Which sets a run writes
+and where they go is the registry's (a row's ``disk_sets``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -17,14 +19,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.host import nearest_existing
+from dsv4_offload.core.registry import DiskSet, recipe_value
 from dsv4_offload.weights.conversion import GIB
 
 if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
     from dsv4_offload.workspace.store import Workspace
-
-SETS = ("w8a8", "mxfp4", "gguf")
-
 
 @dataclass
 class SetNeed:
@@ -78,17 +78,14 @@ def bytes_under(directory: Path) -> int:
     return total
 
 
-def set_needs(recipe: Recipe, ws: Workspace, sets: tuple[str, ...] = SETS) -> list[SetNeed]:
-    """Each named set (``w8a8``, ``mxfp4``: downloaded; ``gguf``: converted)."""
+def set_needs(recipe: Recipe, ws: Workspace, sets: tuple[DiskSet, ...]) -> list[SetNeed]:
+    """Each set: its directory (under the workspace when relative) and expected bytes, from
+    the recipe paths its row names, with what is there already."""
     out = []
-    for name in sets:
-        if name == "gguf":
-            directory = ws.gguf_dir(recipe)
-            expected = recipe.conversion.layers * recipe.conversion.expected_file_bytes
-        else:
-            directory = ws.weights_dir(recipe, name)
-            expected = getattr(recipe.weights, name).expected_bytes
-        out.append(SetNeed(name, directory, expected, bytes_under(directory)))
+    for s in sets:
+        directory = ws.root / recipe_value(recipe, s.directory)
+        expected = math.prod(int(recipe_value(recipe, f)) for f in s.size)
+        out.append(SetNeed(s.name, directory, expected, bytes_under(directory)))
     return out
 
 
