@@ -33,6 +33,7 @@ from typing import Any
 from dsv4_offload import pipeline as P
 from dsv4_offload.core import events
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.registry import StageSpec
 from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
@@ -68,7 +69,7 @@ class Slot:
     reason: str = ""
     root: str = ""  # blocked: the failed stage behind it
     child: Child | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: StageOptions = field(default_factory=StageOptions)  # those it was started with
     t0: float | None = None
     seconds: float | None = None
     exit_code: int | None = None
@@ -184,6 +185,7 @@ def overlapped_plan(ctx: StageContext, start: str | None, stop: str | None,
         options = jobs_for(item.stage, cpu, "build" in runs and "build" not in mine)
         if follows:
             options["follow"] = True
+        P.stage_options(item.stage, given=options)  # a name the stage does not take: said now
         out.append(OverlapItem(item.stage, "run", item.reason, item.steps,
                                [d for d in s.deps if d in runs], follows,
                                [o for o in slots if o in beside], options))
@@ -357,9 +359,11 @@ class Scheduler:
             return
         build = self.slots.get("build")
         build_pending = build is not None and build.state in ("waiting", "running")
-        s.options = {**self.ctx.options, **jobs_for(s.name, self.cpu, build_pending)}
+        added = jobs_for(s.name, self.cpu, build_pending)
         if any(self.slots[f].state == "running" for f in s.follows):
-            s.options["follow"] = True
+            added["follow"] = True
+        # `run`'s own (mirrors, device) where the stage takes them, and these; checked here
+        s.options = P.stage_options(s.name, self.ctx.options, added)
         s.before = self.ws.read_state()["stages"].get(s.name)
         s.reason = item.reason
         out, err = self._stdio(s.name)
@@ -380,12 +384,12 @@ class Scheduler:
         return [*argv, "--json", "run", "--serial", "--from", name, "--to", name,
                 "--force", name]
 
-    def _env(self, options: dict[str, Any]) -> dict[str, str]:
+    def _env(self, options: StageOptions) -> dict[str, str]:
         env = dict(os.environ)
         env.pop(LENDER_PIPE_ENV, None)  # its lender is this process, which it dies with
         env[HANDOFF_ENV] = self.token
         env[events.EVENTS_ENV] = str(self.path)
-        env[STAGE_OPTIONS_ENV] = json.dumps(options, default=str)
+        env[STAGE_OPTIONS_ENV] = json.dumps(options.to_wire())
         env[P.SCHEDULER_PID_ENV] = str(os.getpid())
         return env
 

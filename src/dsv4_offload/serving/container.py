@@ -55,6 +55,7 @@ from dsv4_offload.workspace.placement import IN_CONTAINER_ENV, STAGE_OPTIONS_ENV
 from dsv4_offload.workspace.store import HANDOFF_ENV, LENDER_PIPE_ENV, Workspace
 
 if TYPE_CHECKING:
+    from dsv4_offload.core.options import StageOptions
     from dsv4_offload.core.results import StageResult, Task
     from dsv4_offload.workspace.context import StageContext
 
@@ -653,8 +654,8 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     return argv + list(args)
 
 
-def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
-                     standalone: dict[str, Any] | None = None, before: Any = None
+def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
+                     standalone: StageOptions | None = None, before: Any = None
                      ) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
 
@@ -666,7 +667,7 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
 
-    plan = plan_container(ctx.recipe, ctx.workspace, devices=options.get("devices"))
+    plan = plan_container(ctx.recipe, ctx.workspace)
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
     refused = before(ctx, plan, options) if before is not None else None
@@ -674,8 +675,10 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
         return refused  # type: ignore[no-any-return]
     # --serial: the one stage, in this process inside (a pipelined run schedules on the host)
     args = ["--json", "run", "--serial", "--from", stage, "--to", stage, "--force", stage]
-    if options.get("device") is not None:
-        args += ["--device", str(options["device"])]
+    # the inner `run` offers its --device to the stage as this one's `run` did
+    device = options.to_wire().get("device")
+    if device is not None:
+        args += ["--device", str(device)]
     log = ctx.workspace.log_dir("container") / f"{stage}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     path = ctx.recipe.file
@@ -684,7 +687,7 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     names = crossing_names(ctx.recipe)
     env = {**os.environ}
     if standalone is not None:
-        env[STAGE_OPTIONS_ENV] = json.dumps(standalone, default=str)
+        env[STAGE_OPTIONS_ENV] = json.dumps(standalone.to_wire())
         names.append(STAGE_OPTIONS_ENV)
     if EVENTS_ENV in os.environ:  # a pipelined run's event file: under the workspace, mounted
         names.append(EVENTS_ENV)
