@@ -75,7 +75,7 @@ def context(ws: Workspace, overrides: list[str], stage: str, **options: Any) -> 
     # the stand-in serves on this host: not in the 910B recipe's container
     recipe, series = load_recipe_and_series(None, ["runtime.kind=host", *overrides])
     return StageContext(recipe=recipe, series=series, workspace=ws, stage=stage,
-                        options={"host_facts": no_npu_host(), **options})
+                        host_facts=no_npu_host(), options=options)
 
 
 def leftovers(tag: str) -> list[psutil.Process]:

@@ -80,7 +80,7 @@ def _serve(tmp_path: Path, tag: str, *args: str, numa: int = 1):
     ws = make_workspace(tmp_path / "ws")
     ctx = context(ws, [*standin_overrides(tag, free_port(), "--tag", tag, *args), SMALL_SET],
                   "serve", detach=True)
-    ctx.options["host_facts"] = no_npu_host(numa=numa, cores=64)
+    ctx.host_facts = no_npu_host(numa=numa, cores=64)
     return ctx
 
 

@@ -42,7 +42,7 @@ def run(ctx: StageContext) -> StageResult:
     note(ctx, "build")
     words = behave(ctx, "build")
     seconds = number(words, "burn")
-    jobs = int(ctx.option("jobs") or 1)
+    jobs = int(ctx.options.jobs or 1)
     ctx.event("step.started", step="stand-in")
     t0 = time.monotonic()
     if seconds > 0:

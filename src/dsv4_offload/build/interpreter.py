@@ -136,15 +136,16 @@ def recorded_python(ctx: StageContext) -> dict[str, Any] | None:
     return entry if isinstance(entry, dict) and isinstance(entry.get("path"), str) else None
 
 
-def chosen_python(ctx: StageContext, *, fallback: str | None = None, record: bool = True,
-                  modules: Sequence[str] = REQUIRED_MODULES) -> PythonChoice:
-    """The interpreter for this workspace: ``--python`` (option ``python``), ``$PYTHON_BIN``,
+def chosen_python(ctx: StageContext, *, python: str | None = None, fallback: str | None = None,
+                  record: bool = True, modules: Sequence[str] = REQUIRED_MODULES
+                  ) -> PythonChoice:
+    """The interpreter for this workspace: ``python`` (the stage's --python), ``$PYTHON_BIN``,
     the recorded choice, else the python_env.sh probe; recorded on first choice.
 
     With no qualifying candidate: ``fallback`` (the build passes its recipe python, since
     sglang may not import before it is built) is chosen and recorded, else InputError.
     """
-    explicit = ctx.option("python")
+    explicit = python
     env = _launcher_env(ctx)
     choice: PythonChoice | None
     prior = recorded_python(ctx)
@@ -175,6 +176,6 @@ def chosen_python(ctx: StageContext, *, fallback: str | None = None, record: boo
     return choice
 
 
-def build_python(ctx: StageContext) -> str:
+def build_python(ctx: StageContext, python: str | None = None) -> str:
     """The workspace's one interpreter (:func:`chosen_python`), else the recipe's."""
-    return chosen_python(ctx, fallback=ctx.recipe.build.interpreter).path
+    return chosen_python(ctx, python=python, fallback=ctx.recipe.build.interpreter).path

@@ -150,9 +150,10 @@ class LayerCheck:
                 "runs": [v.as_dict() for v in self.verdicts]}
 
 
-def check_layer(ctx: StageContext, gguf: Path, source: Path, layer: int) -> LayerCheck:
+def check_layer(ctx: StageContext, gguf: Path, source: Path, layer: int,
+                python: str | None = None) -> LayerCheck:
     """Run ``gguf`` (layer ``layer``) through kt-kernel against ``source``; one child per
-    entry of ``selftest.real_layer.tokens``."""
+    entry of ``selftest.real_layer.tokens`` (``python``: the stage's --python)."""
     from dsv4_offload.weights.checkpoint import Checkpoint
 
     cfg = ctx.recipe.selftest.real_layer
@@ -176,7 +177,7 @@ def check_layer(ctx: StageContext, gguf: Path, source: Path, layer: int) -> Laye
             check.verdicts.append(run_forward(
                 ctx, work / f"run-{tokens}", spec, arrays, ref, timeout_s=cfg.timeout_s,
                 min_cosine=cfg.min_cosine, max_rel_l2=cfg.max_rel_l2, built=built,
-                log=ctx.log_dir / "real-layer.log", env=FORCE_SYNC))
+                log=ctx.log_dir / "real-layer.log", env=FORCE_SYNC, python=python))
     check.seconds = time.monotonic() - t0
     return check
 
@@ -184,11 +185,13 @@ def check_layer(ctx: StageContext, gguf: Path, source: Path, layer: int) -> Laye
 # --- verify-gguf level 4 --------------------------------------------------------------------
 
 
-def level4(ctx: StageContext, paths: dict[int, Path], source: Path | None
+def level4(ctx: StageContext, paths: dict[int, Path], source: Path | None, *,
+           kernel: bool = True, python: str | None = None
            ) -> tuple[str, list[Problem], dict[str, Any]]:
-    """(level verdict, problems, data) of the check on one of the verified layer files."""
+    """(level verdict, problems, data) of the check on one of the verified layer files;
+    ``kernel`` false (--no-kernel) turns it off."""
     cfg = ctx.recipe.selftest.real_layer
-    if not cfg.enabled or ctx.option("kernel") is False:
+    if not cfg.enabled or not kernel:
         # the user's choice, shown as "L4 off" in the summary
         why = "--no-kernel" if cfg.enabled else "selftest.real_layer.enabled: false"
         return "off", [], {"kernel_check": {"off": why}}
@@ -209,7 +212,7 @@ def level4(ctx: StageContext, paths: dict[int, Path], source: Path | None
             "fingerprint)", "level4")], {}
     layers = sorted(paths)
     layer = cfg.layer if cfg.layer in paths else layers[len(layers) // 2]
-    check = check_layer(ctx, paths[layer], source, layer)
+    check = check_layer(ctx, paths[layer], source, layer, python)
     problems = [Problem("error", f"level 4: layer {layer} through kt-kernel: {v.reason}",
                         v.fix, "level4") for v in check.verdicts if not v.ok]
     return ("ok" if check.ok else "failed"), problems, {"kernel_check": check.as_dict()}
@@ -267,7 +270,7 @@ def synthetic_layer(ctx: StageContext) -> tuple[Path, Path, int]:
     return checkpoint, gguf, layer
 
 
-def rehearse(ctx: StageContext) -> LayerCheck:
+def rehearse(ctx: StageContext, python: str | None = None) -> LayerCheck:
     """The check on a synthetic converted layer (the rehearsals have no weights)."""
     checkpoint, gguf, layer = synthetic_layer(ctx)
-    return check_layer(ctx, gguf, checkpoint, layer)
+    return check_layer(ctx, gguf, checkpoint, layer, python)

@@ -60,8 +60,10 @@ def module_fingerprint(ctx: StageContext) -> dict[str, str]:
     return out
 
 
-def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str, str]]:
-    """The child's command line and environment: native build python, or emulated."""
+def child_argv(ctx: StageContext, spec_file: Path, python: str | None = None
+               ) -> tuple[list[str], dict[str, str]]:
+    """The child's command line and environment: native build python (``python``: the
+    stage's --python), or emulated."""
     from dsv4_offload.build.interpreter import build_python
 
     test = ctx.recipe.selftest
@@ -71,7 +73,7 @@ def child_argv(ctx: StageContext, spec_file: Path) -> tuple[list[str], dict[str,
     paths = [str(module_dir(ctx)), str(module_dir(ctx).parent)]
     emu = test.emulator
     if emu is None:
-        argv = [build_python(ctx), str(CHILD), str(spec_file)]
+        argv = [build_python(ctx, python), str(CHILD), str(spec_file)]
     else:
         sysroot = ctx.workspace.root / emu.sysroot
         paths += [p if os.path.isabs(p) else str(ctx.workspace.root / p) for p in emu.pythonpath]
@@ -109,11 +111,12 @@ def built_features(ctx: StageContext) -> set[str] | None:
 def run_forward(ctx: StageContext, work: Path, spec: dict[str, Any],
                 arrays: dict[str, np.ndarray], ref: np.ndarray, *, timeout_s: float,
                 min_cosine: float, max_rel_l2: float, built: set[str] | None, log: Path,
-                env: dict[str, str] | None = None) -> Verdict:
+                env: dict[str, str] | None = None, python: str | None = None) -> Verdict:
     """One forward of ``spec`` (gguf, layer, dims, tokens, threads, api) in a child, judged.
 
     ``arrays`` are the inputs (x as bf16 bits, ids, weights); ``ref`` the float32 reference
-    [tokens, hidden]. ``env`` adds variables to the child's environment.
+    [tokens, hidden]. ``env`` adds variables to the child's environment; ``python`` is the
+    stage's --python.
     """
     import numpy as np
 
@@ -130,7 +133,7 @@ def run_forward(ctx: StageContext, work: Path, spec: dict[str, Any],
     spec = {**spec, "arrays": files, "out": str(out_file)}
     spec_file = work / "spec.json"
     spec_file.write_text(json.dumps(spec, indent=1), encoding="utf-8")
-    argv, child_env = child_argv(ctx, spec_file)
+    argv, child_env = child_argv(ctx, spec_file, python)
     child_env.update(env or {})
     t0 = time.monotonic()
     result = run_command(argv, log=log, cwd=work, env=child_env, timeout=timeout_s, check=False)

@@ -112,7 +112,9 @@ def _register_areas() -> None:
 
 def _plain_stage_command(name: str, summary: str) -> Any:
     def command(ctx: typer.Context) -> None:
-        kit.run_stage(ctx, name, {})
+        from dsv4_offload.pipeline import stage_options
+
+        kit.run_stage(ctx, name, stage_options(name))
 
     command.__doc__ = f"The {name} stage: {summary}." if summary else f"The {name} stage."
     return command

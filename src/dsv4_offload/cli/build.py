@@ -46,8 +46,10 @@ def build(
     4. An optional step (ascendc-op) that fails, or whose compiler (bisheng) is missing,
        is a warning. Git hooks the kt-kernel configure installed are reported.
     """
-    kit.run_stage(ctx, "build", {"steps": list(steps or []) or None, "python": python,
-                                    "clean": clean})
+    from dsv4_offload.stages.build import BuildOptions
+
+    kit.run_stage(ctx, "build", BuildOptions(steps=tuple(steps or ()), python=python,
+                                             clean=clean))
 
 
 def _endpoints(values: list[str]) -> str | dict[str, str] | None:
@@ -112,6 +114,8 @@ def download(
         # the two sets live on different hubs: one mirror URL cannot serve both
         raise InputError(f"--endpoint {endpoints}: name the set (download mxfp4 --endpoint URL) "
                          "or the hub (--endpoint huggingface=URL / modelscope=URL)")
-    kit.run_stage(ctx, "download", {
-        "which": which, "endpoint": endpoints, "local_dir_only": local_dir_only,
-        "repair": repair, "streams": streams})
+    from dsv4_offload.stages.download import DownloadOptions
+
+    kit.run_stage(ctx, "download", DownloadOptions(
+        which=which, endpoint=endpoints, local_dir_only=local_dir_only, repair=repair,
+        streams=streams))

@@ -42,9 +42,11 @@ def convert(
     3. Per layer, stream expert by expert: read, repack to 17-byte MXFP4 blocks, write
        into `<file>.tmp`; fsync; rename. --jobs layers at once, in processes.
     """
-    kit.run_stage(ctx, "convert", {"source": source, "gguf_dir": gguf_dir,
-                                      "layers": layers, "jobs": jobs, "force": force,
-                                      "follow": follow})
+    from dsv4_offload.stages.convert import ConvertOptions
+
+    kit.run_stage(ctx, "convert", ConvertOptions(source=source, gguf_dir=gguf_dir,
+                                                 layers=layers, jobs=jobs, force=force,
+                                                 follow=follow))
 
 
 def verify_gguf(
@@ -77,6 +79,8 @@ def verify_gguf(
     On success the digests go to gguf-sha256.txt beside the files. Exit 1 on a difference,
     naming the layer, tensor, expert and row.
     """
-    kit.run_stage(ctx, "verify-gguf", {"deep": deep, "manifest": manifest, "source": source,
-                                          "gguf_dir": gguf_dir, "layers": layers, "jobs": jobs,
-                                          "kernel": kernel})
+    from dsv4_offload.stages.verify_gguf import VerifyGgufOptions
+
+    kit.run_stage(ctx, "verify-gguf", VerifyGgufOptions(
+        deep=deep, manifest=manifest, source=source, gguf_dir=gguf_dir, layers=layers,
+        jobs=jobs, kernel=kernel))

@@ -6,6 +6,7 @@ Kept light at import time (typer only): recipe models, rich and stage modules lo
 from __future__ import annotations
 
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -15,6 +16,7 @@ from dsv4_offload.core.envelope import Envelope
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
 
 if TYPE_CHECKING:
+    from dsv4_offload.core.options import StageOptions
     from dsv4_offload.core.results import StageResult, Status
     from dsv4_offload.workspace.context import StageContext
 
@@ -39,8 +41,9 @@ def options_of(typer_ctx: typer.Context) -> GlobalOptions:
 
 
 def load_context(typer_ctx: typer.Context, stage: str = "",
-                 options: dict[str, Any] | None = None) -> StageContext:
-    """Recipe, series and workspace from the global options, as a StageContext."""
+                 options: StageOptions | Mapping[str, Any] | None = None) -> StageContext:
+    """Recipe, series and workspace from the global options, as a StageContext with the
+    command's options (the stage's typed ones; `run`'s RunOptions)."""
     from dsv4_offload.workspace.context import StageContext
 
     g = options_of(typer_ctx)
@@ -102,8 +105,9 @@ def result_exit_code(result: StageResult) -> ExitCode:
     return ExitCode.OK if result.ok else ExitCode.FAILED
 
 
-def run_stage(typer_ctx: typer.Context, stage: str, options: dict[str, Any]) -> NoReturn:
-    """Run one stage under the workspace lock, render its result, exit with its code."""
+def run_stage(typer_ctx: typer.Context, stage: str, options: StageOptions) -> NoReturn:
+    """Run one stage with its typed options under the workspace lock, render its result,
+    exit with its code."""
     from dsv4_offload import pipeline
 
     ctx = load_context(typer_ctx, stage, options)

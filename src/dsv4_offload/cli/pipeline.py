@@ -53,9 +53,9 @@ def run(
 
     from dsv4_offload import pipeline
     from dsv4_offload.cli.render import console, styled
+    from dsv4_offload.core.options import RunOptions
 
-    options: dict[str, Any] = {"mirrors": list(mirror), "device": device}
-    pctx = load_context(ctx, "", options)
+    pctx = load_context(ctx, "", RunOptions(mirrors=tuple(mirror), device=device))
     g = options_of(ctx)
     if not serial:
         _run_pipelined(ctx, pctx, start, stop, tuple(force), dry_run)
@@ -219,7 +219,9 @@ def doctor(
                                       help="NPU id to check (default: idlest)."),
 ) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
-    run_stage(ctx, "doctor", {"device": device})
+    from dsv4_offload.stages.doctor import DoctorOptions
+
+    run_stage(ctx, "doctor", DoctorOptions(device=device))
 
 
 def selftest(
@@ -239,7 +241,9 @@ def selftest(
     4. With --real-layer (or selftest.real_layer.rehearse): the same on a converted
        synthetic layer of the real layout, cosine >= 0.9999 (guide appendix D).
     """
-    run_stage(ctx, "selftest", {"real_layer": real_layer})
+    from dsv4_offload.stages.selftest import SelftestOptions
+
+    run_stage(ctx, "selftest", SelftestOptions(real_layer=real_layer))
 
 
 def _quiet_plan(items: Any) -> str:

@@ -6,12 +6,15 @@ Only typer and cli.kit at import time; the supervisor, probes and rich load insi
 from __future__ import annotations
 
 import time
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import typer
 
 from dsv4_offload.cli import kit
 from dsv4_offload.core.errors import ExitCode
+
+if TYPE_CHECKING:
+    from dsv4_offload.stages.serve import ServeOptions
 
 serve_app = typer.Typer()  # its help is the callback's docstring
 
@@ -64,13 +67,14 @@ def serve(
     """
     if ctx.invoked_subcommand is not None:
         return
+    from dsv4_offload.stages.serve import ServeOptions
+
     g = kit.options_of(ctx)
-    options: dict[str, Any] = {
-        "detach": detach, "device": device, "longest_prompt": longest_prompt,
-        "python": python, "api_key_file": api_key_file, "warm": warm,
+    options = ServeOptions(
+        detach=detach, device=device, longest_prompt=longest_prompt, python=python,
+        api_key_file=api_key_file, warm=warm,
         # dotted keys of --set, so --print can tell them from the recipe's own values
-        "set_keys": [o.split("=", 1)[0].strip() for o in g.overrides],
-    }
+        set_keys=tuple(o.split("=", 1)[0].strip() for o in g.overrides))
     if print_only:
         _print_plan(ctx, options)
         return
@@ -79,7 +83,7 @@ def serve(
     _serve_foreground(ctx, options)
 
 
-def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> NoReturn:
+def _serve_foreground(ctx: typer.Context, options: ServeOptions) -> NoReturn:
     """Like kit.run_stage, but the server's log reaches the console even on a pipe."""
     import sys
 
@@ -101,7 +105,7 @@ def _serve_foreground(ctx: typer.Context, options: dict[str, Any]) -> NoReturn:
     kit.exit_with(kit.result_exit_code(result))
 
 
-def _print_plan(ctx: typer.Context, options: dict[str, Any]) -> None:
+def _print_plan(ctx: typer.Context, options: ServeOptions) -> None:
     from dsv4_offload.stages import serve as serve_stage
 
     sctx = kit.load_context(ctx, "serve", options)
@@ -148,10 +152,13 @@ def _print_inside(ctx: typer.Context, sctx: Any) -> str:
     g = kit.options_of(ctx)
     path = sctx.recipe.file
     inner = [*(["--json"] if g.json else []), "serve", "--print"]
-    for flag, key in (("--device", "device"), ("--longest-prompt", "longest_prompt"),
-                      ("--python", "python")):
-        if sctx.options.get(key) is not None:
-            inner += [flag, str(sctx.options[key])]
+    from dsv4_offload.stages.serve import ServeOptions
+
+    given = sctx.options_as(ServeOptions)
+    for flag, value in (("--device", given.device), ("--longest-prompt", given.longest_prompt),
+                        ("--python", given.python)):
+        if value is not None:
+            inner += [flag, str(value)]
     kit.exit_with(exec_attached(exec_argv(plan, sctx.workspace, str(path) if path else None,
                                           g.overrides, inner, crossing_names(sctx.recipe))))
 
@@ -324,12 +331,12 @@ def accept(
 
     from dsv4_offload import pipeline
     from dsv4_offload.cli.render import console
+    from dsv4_offload.stages.accept import AcceptOptions
 
-    options: dict[str, Any] = {"url": url, "api": api, "model": model, "probes": probes,
-                               "log": server_log, "require_lines": require_line,
-                               "forbid_lines": forbid_line, "quick": quick,
-                               "no_throughput_gate": no_throughput_gate, "gpqa": gpqa_rounds,
-                               "api_key_file": api_key_file}
+    options = AcceptOptions(url=url, api=api, model=model, probes=probes, log=server_log,
+                            require_lines=tuple(require_line), forbid_lines=tuple(forbid_line),
+                            quick=quick, no_throughput_gate=no_throughput_gate,
+                            gpqa=gpqa_rounds, api_key_file=api_key_file)
     sctx = kit.load_context(ctx, "accept", options)
     with sctx.workspace.lock("accept"):
         result = pipeline.dispatch_stage(sctx, "accept", options, standalone=True)

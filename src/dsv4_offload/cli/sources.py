@@ -45,14 +45,18 @@ def fetch(
        submodules) at their own commits; a dirty or wrong checkout is left alone unless
        --force moves it aside.
     """
-    kit.run_stage(ctx, "fetch", {"mirrors": list(mirror), "force": force})
+    from dsv4_offload.stages.fetch import FetchOptions
+
+    kit.run_stage(ctx, "fetch", FetchOptions(mirrors=tuple(mirror), force=force))
 
 
 @patch_app.callback(invoke_without_command=True)
 def patch_default(ctx: typer.Context) -> None:
     """Without a subcommand: `patch apply`."""
     if ctx.invoked_subcommand is None:
-        kit.run_stage(ctx, "patch", {"force": False})
+        from dsv4_offload.stages.patch import PatchOptions
+
+        kit.run_stage(ctx, "patch", PatchOptions(force=False))
 
 
 @patch_app.command("apply")
@@ -72,7 +76,9 @@ def patch_apply(
        --index` and a fixed identity; no fuzz; commit hooks off.
     3. A failure rolls the target back and names the rejected hunks and the log.
     """
-    kit.run_stage(ctx, "patch", {"only": _split(only), "force": force})
+    from dsv4_offload.stages.patch import PatchOptions
+
+    kit.run_stage(ctx, "patch", PatchOptions(only=tuple(_split(only)), force=force))
 
 
 @patch_app.command("status")

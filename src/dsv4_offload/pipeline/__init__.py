@@ -2,7 +2,8 @@
 
 This package's face; the work lives in its modules, one idea each:
 ``fingerprint`` (a stage's inputs), ``status`` (what a stage's record says now),
-``groups`` (the process groups of a running stage), ``serial`` (`run --serial`, the plan
+``groups`` (the process groups of a running stage), ``options`` (each stage's typed
+options, built and checked), ``serial`` (`run --serial`, the plan
 and the hand-over to the container) and ``schedule`` (the pipelined `run`).
 """
 
@@ -17,6 +18,7 @@ from dsv4_offload.pipeline.fingerprint import (
     recipe_inputs,
 )
 from dsv4_offload.pipeline.groups import leftover_processes, sweep_leftovers
+from dsv4_offload.pipeline.options import from_wire, options_type, stage_options
 from dsv4_offload.pipeline.serial import (
     PlanItem,
     RunOutcome,
@@ -35,9 +37,10 @@ from dsv4_offload.pipeline.status import (
 )
 
 __all__ = [
-    "NOT_APPLICABLE", "STAGES", "STAGE_NAMES", "PlanItem", "RunOutcome", "StageSpec",
-    "StageStatus", "changed_inputs", "dispatch_stage", "fingerprint",
-    "leftover_processes", "load_stage_module", "model_digest", "not_applicable_reason",
-    "pipeline_status", "plan", "recipe_inputs", "run_pipeline", "run_stage", "spec",
-    "stage_range", "stage_status", "sweep_leftovers",
+    "NOT_APPLICABLE", "STAGES", "STAGE_NAMES", "PlanItem", "RunOutcome",
+    "StageSpec", "StageStatus", "changed_inputs", "dispatch_stage", "fingerprint",
+    "from_wire", "leftover_processes", "load_stage_module", "model_digest",
+    "not_applicable_reason", "options_type", "pipeline_status", "plan", "recipe_inputs",
+    "run_pipeline", "run_stage", "spec", "stage_options", "stage_range", "stage_status",
+    "sweep_leftovers",
 ]

@@ -32,6 +32,7 @@ from typing import Any
 from dsv4_offload import pipeline as P
 from dsv4_offload.core import childrun, events
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.registry import Cpu, StageSpec
 from dsv4_offload.core.results import StageResult, Status
 from dsv4_offload.core.runner import KILL_GRACE_S, Child, received_signal, start, stop_children
@@ -68,7 +69,7 @@ class Slot:
     reason: str = ""
     root: str = ""  # blocked: the failed stage behind it
     child: Child | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: StageOptions = field(default_factory=StageOptions)  # those it was started with
     t0: float | None = None
     seconds: float | None = None
     exit_code: int | None = None
@@ -185,6 +186,7 @@ def overlapped_plan(ctx: StageContext, start: str | None, stop: str | None,
         options = jobs_for(s.spec, cpu, compiling)
         if follows:
             options["follow"] = True
+        P.stage_options(item.stage, given=options)  # a name the stage does not take: said now
         out.append(OverlapItem(item.stage, "run", item.reason, item.steps,
                                [d for d in s.deps if d in runs], follows,
                                [o for o in slots if o in beside], options))
@@ -357,9 +359,11 @@ class Scheduler:
         compiling = any(o.spec.cpu is Cpu.COMPILE
                         and o.state in (StageState.WAITING, StageState.RUNNING)
                         for o in self.slots.values())
-        s.options = {**self.ctx.options, **jobs_for(s.spec, self.cpu, compiling)}
+        added = jobs_for(s.spec, self.cpu, compiling)
         if any(self.slots[f].state == StageState.RUNNING for f in s.follows):
-            s.options["follow"] = True
+            added["follow"] = True
+        # `run`'s own (mirrors, device) where the stage takes them, and these; checked here
+        s.options = P.stage_options(s.name, self.ctx.options, added)
         s.before = self.ws.state().record(s.name)
         s.reason = item.reason
         out, err = self._stdio(s.name)
@@ -374,9 +378,9 @@ class Scheduler:
         return [*childrun.tool_argv(sys.executable, self.ws.root, file, list(recipe.overrides),
                                     verbose=self.verbose), *childrun.stage_argv(name)]
 
-    def _env(self, options: dict[str, Any]) -> dict[str, str]:
-        return childrun.stage_env(os.environ, self.token, options, events_file=self.path,
-                                  scheduler_pid=os.getpid())
+    def _env(self, options: StageOptions) -> dict[str, str]:
+        return childrun.stage_env(os.environ, self.token, options.to_wire(),
+                                  events_file=self.path, scheduler_pid=os.getpid())
 
     def _stdio(self, name: str) -> tuple[Any, Any]:
         """The child's stdout (its one JSON document) and stderr, new for this run."""

@@ -4,27 +4,31 @@ the hand-over of a stage to the container when the recipe says so."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dsv4_offload.core import childrun, events, procs
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, ExitCode, InputError, NotImplementedStage
+from dsv4_offload.core.options import FollowOptions, StageOptions
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec, recipe_value, spec
 from dsv4_offload.core.results import Severity, StageResult
 from dsv4_offload.core.runner import interrupt_name
 from dsv4_offload.core.states import StageState
 from dsv4_offload.pipeline.fingerprint import fingerprint, load_stage_module, model_digest
 from dsv4_offload.pipeline.groups import groups_noted, sweep_leftovers
+from dsv4_offload.pipeline.options import stage_options
 from dsv4_offload.pipeline.status import NOT_APPLICABLE, not_applicable_reason, stage_status
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.placement import runs_in_container
 from dsv4_offload.workspace.records import StageRecord
 
 
-def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = None) -> StageResult:
-    """Run one stage now (the caller holds the lock) and record the outcome."""
+def run_stage(ctx: StageContext, name: str,
+              options: StageOptions | Mapping[str, Any] | None = None) -> StageResult:
+    """Run one stage now (the caller holds the lock) and record the outcome; without
+    ``options``, those of the context the stage declares."""
     stage = spec(name)
     why_not = not_applicable_reason(ctx, name)
     if why_not:
@@ -36,7 +40,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
             f"stage '{name}' is not implemented in this version of dsv4-offload; "
             f"stop before it with `run --to {_previous(name)}`"
         )
-    sub = ctx.for_stage(name, options)
+    sub = ctx.for_stage(name, _typed(name, ctx, options))
     if events.events_file() is not None:  # a stage process of a pipelined run
         sub = replace(sub, progress=events.EventProgress(name, sub.progress))
     ws = ctx.workspace
@@ -49,7 +53,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         status=StageState.RUNNING, pid=me.pid, pid_start_time=me.start_time, started=started,
         log=str(sub.log_dir)))
     events.emit("stage.started", stage=name, log=str(sub.log_dir),
-                options={k: v for k, v in (options or {}).items()
+                options={k: v for k, v in _given(options).items()
                          if v and isinstance(v, (bool, int, float, str))})
     try:
         with groups_noted(ws, name, me):
@@ -75,7 +79,7 @@ def run_stage(ctx: StageContext, name: str, options: dict[str, Any] | None = Non
         error = result.summary + (f": {first.message}" if first else "")
         _record_failure(ws, name, started, t0, error, result.log)
         return result
-    if sub.option("follow"):
+    if isinstance(sub.options, FollowOptions) and sub.options.follow:
         _await_streams(ws, stage)
     # taken after the run: a stage may declare inputs that its own work settles (the
     # serve stage's "is the server up"); recipe fields and upstream records cannot change
@@ -216,10 +220,9 @@ def run_pipeline(
             continue
         if on_stage:
             on_stage(stage.name, "run")
-        options = dict(ctx.options)
-        options.update(stage.run_options)
-        options.update(handed)
-        # handed options (a scheduler's: follow, jobs) go on into the container too
+        # `run`'s own (mirrors, device) where the stage takes them, its registry row's, then
+        # the handed ones (a scheduler's: follow, jobs), which go on into the container too
+        options = stage_options(stage.name, ctx.options, {**stage.run_options, **handed})
         result = dispatch_stage(ctx, stage.name, options, standalone=bool(handed))
         results.append((stage.name, result))
         if not result.ok:
@@ -227,7 +230,7 @@ def run_pipeline(
     return RunOutcome(results, skipped, ExitCode.OK)
 
 
-def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
+def dispatch_stage(ctx: StageContext, name: str, options: StageOptions,
                    standalone: bool = False) -> StageResult:
     """Run one stage where the recipe puts it (workspace/placement.py): here, or in the
     recipe's container. `run` and the stand-alone stage commands both come through here;
@@ -240,4 +243,19 @@ def dispatch_stage(ctx: StageContext, name: str, options: dict[str, Any],
         # the container's own `run` records the stage in the shared state file
         return run_stage_inside(ctx, name, options, options if standalone else None, before)
     return run_stage(ctx, name, options)
+
+
+def _typed(name: str, ctx: StageContext, options: StageOptions | Mapping[str, Any] | None
+           ) -> StageOptions:
+    """The stage's typed options: as given, checked name by name, or (none given) those of
+    the context it declares."""
+    if options is None:
+        return stage_options(name, ctx.options)
+    return stage_options(name, given=_given(options))
+
+
+def _given(options: StageOptions | Mapping[str, Any] | None) -> dict[str, Any]:
+    if isinstance(options, StageOptions):
+        return options.given()
+    return dict(options or {})
 

@@ -57,6 +57,7 @@ from dsv4_offload.recipe import BUNDLED_RECIPES, Recipe, resolve_recipe_path
 from dsv4_offload.workspace.store import Workspace
 
 if TYPE_CHECKING:
+    from dsv4_offload.core.options import StageOptions
     from dsv4_offload.core.results import StageResult, Task
     from dsv4_offload.workspace.context import StageContext
 
@@ -650,8 +651,8 @@ def exec_argv(plan: ContainerPlan, workspace: Workspace, recipe_spec: str | None
     return [*argv, *tool, *args]
 
 
-def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
-                     standalone: dict[str, Any] | None = None, before: Any = None
+def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
+                     standalone: StageOptions | None = None, before: Any = None
                      ) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
 
@@ -663,14 +664,15 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
 
-    plan = plan_container(ctx.recipe, ctx.workspace, devices=options.get("devices"))
+    plan = plan_container(ctx.recipe, ctx.workspace)
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
     refused = before(ctx, plan, options) if before is not None else None
     if refused is not None:
         return refused  # type: ignore[no-any-return]
     # --serial: the one stage, in this process inside (a pipelined run schedules on the host)
-    args = childrun.stage_argv(stage, options.get("device"))
+    # the inner `run` offers its --device to the stage as this one's `run` did
+    args = childrun.stage_argv(stage, options.to_wire().get("device"))
     log = ctx.workspace.log_dir("container") / f"{stage}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     path = ctx.recipe.file
@@ -679,7 +681,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: dict[str, Any],
     with ctx.workspace.lend_lock() as token:
         # the lent lock, the handed options and a pipelined run's event file (under the
         # workspace, mounted) cross by name, beside the recipe's variables
-        env = childrun.stage_env(os.environ, token, standalone)
+        env = childrun.stage_env(os.environ, token,
+                                 standalone.to_wire() if standalone is not None else None)
         names = [*childrun.passed_names(env), *crossing_names(ctx.recipe)]
         argv = exec_argv(plan, ctx.workspace, spec, overrides, args, names, lender_pipe=True)
         with ctx.task(f"{stage} in {plan.name}"):

@@ -23,6 +23,7 @@ from dsv4_offload.acceptance import probes as pr
 from dsv4_offload.acceptance import throughput as tp
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Check, Problem, StageResult, Status, Task
 from dsv4_offload.recipe import Acceptance, LogMarker, Probe
 from dsv4_offload.serving import supervisor as sv
@@ -31,6 +32,23 @@ from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json
 
 OPENAI_HEALTH = ["/v1/models"]  # OpenAI-compatible servers need not have sglang's /health
+
+
+class AcceptOptions(StageOptions):
+    url: str | None = None  # the server (default: the one `serve` started, else the recipe's)
+    api: str | None = None  # native | openai (default: acceptance.api)
+    model: str | None = None  # the model name to ask for (default: the server's)
+    probes: PathText | None = None  # a YAML file of probes instead of the recipe's
+    log: PathText | None = None  # the server's log (default: the supervised one)
+    require_lines: tuple[str, ...] = ()  # the log lines the server must print (another server)
+    forbid_lines: tuple[str, ...] = ()  # the log lines it must not print
+    quick: bool = False  # a short throughput run
+    no_throughput_gate: bool = False  # report tok/s without failing on them
+    gpqa: int = 0  # rounds of GPQA-diamond through evalscope
+    api_key_file: PathText | None = None  # the key to send (default: serve's)
+
+
+Options = AcceptOptions
 
 
 def load_probes(path: Path, acceptance: Acceptance) -> tuple[list[Probe], str]:
@@ -66,29 +84,30 @@ def load_probes(path: Path, acceptance: Acceptance) -> tuple[list[Probe], str]:
 
 def run(ctx: StageContext) -> StageResult:
     acc = ctx.recipe.acceptance
-    api = ctx.option("api", acc.api)
+    options = ctx.options_as(AcceptOptions)
+    api = options.api if options.api is not None else acc.api
     if api not in ("native", "openai"):
         raise InputError(f"--api {api}: must be 'native' (sglang /generate) or 'openai'")
-    gpqa_rounds = int(ctx.option("gpqa", 0))
+    gpqa_rounds = options.gpqa
     if gpqa_rounds < 0:
         raise InputError(f"--gpqa {gpqa_rounds}: give a number of rounds (the delivery runs 10)")
     evalscope = gpqa.find_evalscope() if gpqa_rounds else None  # before any traffic
     record = sv.read_record(ctx.workspace.serve_record)
-    url = ctx.option("url") or (record.url if sv.record_alive(record) and record else
+    url = options.url or (record.url if sv.record_alive(record) and record else
                                 connect_url(ctx.recipe.serve.host, ctx.recipe.serve.port))
     # nothing started here and no --url: the next step is to start the server, not its logs
     dead_fix = ("the server hung or died: `dsv4-offload serve logs`"
-                if ctx.option("url") or sv.record_alive(record) else
+                if options.url or sv.record_alive(record) else
                 "no server was started in this workspace: start one with `dsv4-offload serve "
                 "--detach`, then run accept again (or point --url at a running server)")
-    probe_list, det_name = (load_probes(Path(ctx.option("probes")), acc) if ctx.option("probes")
+    probe_list, det_name = (load_probes(Path(options.probes), acc) if options.probes
                             else (acc.probes, acc.determinism_probe))
     log_path = _server_log(ctx, record, url)
     required, forbidden = _markers(ctx)
-    client = pr.ServerClient(url, api, ctx.option("model"), acc.request_timeout_s,
+    client = pr.ServerClient(url, api, options.model, acc.request_timeout_s,
                              headers=auth_headers(ctx, record, url))
-    quick = bool(ctx.option("quick", False))
-    gate = not ctx.option("no_throughput_gate", False)
+    quick = options.quick
+    gate = not options.no_throughput_gate
     checks: list[Check] = []
     buckets: list[tp.Bucket] = []
     texts: dict[str, str] = {}
@@ -156,7 +175,7 @@ def run(ctx: StageContext) -> StageResult:
 
 def auth_headers(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> dict[str, str]:
     """The API key a server started with `serve --api-key-file` wants, as a header."""
-    path = ctx.option("api_key_file")
+    path = ctx.options_as(AcceptOptions).api_key_file
     if not path and record is not None and record.url == url:
         path = record.extra.get("api_key_file")
     return pr.api_key_headers(path)
@@ -165,8 +184,8 @@ def auth_headers(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> 
 def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
     """The recipe's log markers that apply to this server, or the user's own lines."""
     acc = ctx.recipe.acceptance
-    own_required = ctx.option("require_lines") or []
-    own_forbidden = ctx.option("forbid_lines") or []
+    options = ctx.options_as(AcceptOptions)
+    own_required, own_forbidden = list(options.require_lines), list(options.forbid_lines)
     if own_required or own_forbidden:
         # another server (llama.cpp, a container build): its own lines replace the recipe's
         try:
@@ -317,7 +336,7 @@ def _still_answering(ctx: StageContext, client: pr.ServerClient, api: str,
 def _gpqa(ctx: StageContext, client: pr.ServerClient, evalscope: str, rounds: int,
           task: Task) -> Check:
     reference = ctx.recipe.acceptance.gpqa_reference_pct
-    model = ctx.option("model") or _served_model(client)
+    model = ctx.options_as(AcceptOptions).model or _served_model(client)
     key = client.headers().get("Authorization", "Bearer EMPTY").split(" ", 1)[1]
     out = ctx.workspace.reports_dir / f"gpqa-{time.strftime('%Y%m%d-%H%M%S')}"
 
@@ -368,7 +387,7 @@ def _with_tail(fix: str, log_path: Path | None) -> str:
 
 
 def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> Path | None:
-    given = ctx.option("log")
+    given = ctx.options_as(AcceptOptions).log
     if given:
         path = Path(given)
         if not path.is_file():

@@ -44,6 +44,7 @@ from dsv4_offload.build import bringup, kernelcheck
 from dsv4_offload.build.bringup import KT_KERNEL_STEP
 from dsv4_offload.build.interpreter import build_python, server_pythonpath
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import capture, failure_excerpt, run_command
 from dsv4_offload.recipe import BuildStep, Recipe
@@ -51,6 +52,16 @@ from dsv4_offload.serving.plan import ENV_KNOBS
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import Workspace, read_json
+
+
+class BuildOptions(StageOptions):
+    steps: tuple[str, ...] = ()  # the steps to build (none: every one)
+    python: PathText | None = None  # the build python (default: the workspace's choice)
+    clean: bool = False  # a fresh configure: each step's build dir removed first
+    jobs: int | None = None  # compile jobs (a pipelined run's share of the cores)
+
+
+Options = BuildOptions
 
 # the packages each header comes from: Debian/Ubuntu first, then openEuler/EulerOS (Kunpeng)
 NATIVE_HEADERS = {"hwloc.h": ("libhwloc-dev", "hwloc-devel"),
@@ -180,7 +191,7 @@ def runtime_pythonpath(workspace: Workspace, recipe: Recipe) -> list[Path]:
 
 
 def selected_steps(ctx: StageContext) -> list[BuildStep]:
-    names = list(ctx.option("steps") or [])
+    names = list(ctx.options_as(BuildOptions).steps)
     known = [s.name for s in ctx.recipe.build.steps]
     unknown = [n for n in names if n not in known]
     if unknown:
@@ -194,7 +205,7 @@ def selected_steps(ctx: StageContext) -> list[BuildStep]:
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Interpreter and compiler versions, and the HEAD of every patched source."""
-    python = ctx.option("python")
+    python = ctx.options_as(BuildOptions).python
     if python is None:
         # `status` has no --python: take the interpreter the last build used, so a build
         # made with --python does not look stale afterwards
@@ -384,7 +395,7 @@ def required_preflight(ctx: StageContext, python: str, steps: list[BuildStep]
 
 def run(ctx: StageContext) -> StageResult:
     steps = effective_steps(ctx.recipe, selected_steps(ctx), os.environ)
-    python = build_python(ctx)
+    python = build_python(ctx, ctx.options_as(BuildOptions).python)
     problems = preflight(ctx, python, steps, toolchain_env(ctx, steps))
     data: dict[str, Any] = {"python": python, "steps": {}}
     problems += [Problem("error", e, fix="the file comes from a pinned source",
@@ -433,12 +444,12 @@ def run(ctx: StageContext) -> StageResult:
                        outputs=outputs, log=str(ctx.log_dir))
 
 
-def before_container(ctx: StageContext, plan: Any, options: dict[str, Any]
+def before_container(ctx: StageContext, plan: Any, options: StageOptions
                      ) -> StageResult | None:
     """Before the build is handed to the recipe's container: its C++ compiler, asked there."""
     from dsv4_offload.serving.image_rows import compiler_in_image
 
-    problem = compiler_in_image(ctx.recipe, plan, options.get("steps"))
+    problem = compiler_in_image(ctx.recipe, plan, list(BuildOptions.of(options).steps) or None)
     return None if problem is None else StageResult(
         Status.FAILED, f"build refused: {problem.message}", problems=[problem])
 
@@ -565,7 +576,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
             bringup.apply_edit(workdir, edit, log)
         for rel in step.remove_first:
             bringup.remove_first(workdir, rel, log)
-        environ = bringup.parallel_env(os.environ, ctx.option("jobs"))
+        environ = bringup.parallel_env(os.environ, ctx.options_as(BuildOptions).jobs)
         made = bringup.step_command(step, ctx.recipe, places, environ, workdir, log,
                                     constraints)
         argv, env = made.argv, made.env
@@ -585,7 +596,7 @@ def run_step(ctx: StageContext, step: BuildStep, python: str, hooks_dir: Path | 
         return report
     report.settings = settings_digest(step, argv, env, python)
     # CMake caches options such as CPUINFER_ARM_SVE: a changed setting needs a fresh configure
-    why = "--clean" if ctx.option("clean") else (
+    why = "--clean" if ctx.options_as(BuildOptions).clean else (
         "its command, env or python changed since the last build"
         if built_with and built_with != report.settings else "")
     if why and step.command and step.workdir and clean_build_dir(workdir):

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.options import FollowOptions, PathText
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.conversion import (
     DISK_FIX,
@@ -49,6 +50,17 @@ from dsv4_offload.workspace.context import StageContext
 # a pipelined `run` may start this stage beside a running download and hand it
 # follow=True (pipeline/schedule.py): each layer converts as its shards arrive
 FOLLOWS = True
+
+
+class ConvertOptions(FollowOptions):
+    source: PathText | None = None  # the MXFP4 checkpoint (default: the workspace's download)
+    gguf_dir: PathText | None = None  # where the layer files go (default: the workspace's)
+    layers: str | None = None  # '0-42', '3,5,7' (default: every layer)
+    jobs: int | None = None  # layers at once (default: from the cores and memory)
+    force: bool = False  # redo layers whose files are present
+
+
+Options = ConvertOptions
 
 # --- worker processes ----------------------------------------------------------------------
 
@@ -122,26 +134,28 @@ def _source_used(ctx: StageContext) -> Path:
     """--source when given; else the one the recorded conversion used (a `convert --source`
     is done from that source, not stale because `status` has no --source); else the
     recipe's MXFP4 download."""
-    if ctx.option("source"):
-        return source_dir(ctx)
+    given = ctx.options_as(ConvertOptions).source
+    if given:
+        return source_dir(ctx, given)
     recorded = ctx.workspace.state().outputs("convert").get("source")
-    return Path(recorded) if isinstance(recorded, str) and recorded else source_dir(ctx)
+    return Path(recorded) if isinstance(recorded, str) and recorded else source_dir(ctx, None)
 
 
 def run(ctx: StageContext) -> StageResult:
-    if ctx.option("follow"):
+    options = ctx.options_as(ConvertOptions)
+    if options.follow:
         return _run_following(ctx)
     from dsv4_offload.weights.checkpoint import Checkpoint
     from dsv4_offload.weights.gguf_io import LayerLayout, forget_manifest_entries
     from dsv4_offload.weights.mxfp4 import kernel_status
 
-    source, out_dir = source_dir(ctx), gguf_dir(ctx)
-    force = bool(ctx.option("force", False))
+    source, out_dir = source_dir(ctx, options.source), gguf_dir(ctx, options.gguf_dir)
+    force = options.force
     conv = ctx.recipe.conversion
     digests: dict[Path, str] = {}
     with Checkpoint.open(source) as ckpt:
         dims = ckpt.dims
-        layers = parse_layers(ctx.option("layers"), dims.layers)
+        layers = parse_layers(options.layers, dims.layers)
         # every tensor checked before any byte is written; each layer's source fingerprinted
         sources = {layer: layer_source(ckpt, layer, digests) for layer in layers}
     layouts = {layer: LayerLayout.for_layer(layer, dims, conv) for layer in layers}
@@ -180,7 +194,7 @@ def run(ctx: StageContext) -> StageResult:
             Status.FAILED, "not enough free disk for the conversion", data=base,
             problems=[Problem("error", short, DISK_FIX, check="disk")])
 
-    jobs = int(ctx.option("jobs") or default_jobs(len(work)))
+    jobs = int(ctx.options_as(ConvertOptions).jobs or default_jobs(len(work)))
     if jobs < 1:
         raise InputError(f"--jobs {jobs}: must be at least 1")
     jobs = min(jobs, len(work))
@@ -232,11 +246,13 @@ def _run_following(ctx: StageContext) -> StageResult:
     from dsv4_offload.weights.follow import REFETCH_FIX, follow
     from dsv4_offload.weights.mxfp4 import kernel_status
 
-    if ctx.option("source"):
+    options = ctx.options_as(ConvertOptions)
+    if options.source:
         raise InputError("convert --follow follows the workspace's MXFP4 download; drop "
                          "--source (or drop --follow for a checkpoint already whole)")
-    source, out_dir = source_dir(ctx), gguf_dir(ctx)
-    done = follow(ctx, source, out_dir)
+    source, out_dir = source_dir(ctx), gguf_dir(ctx, options.gguf_dir)
+    done = follow(ctx, source, out_dir, layers_spec=options.layers, jobs=options.jobs,
+                  force=options.force)
     layers = done.layers
     outputs = {"source": str(source), "gguf_dir": str(out_dir), "layers": layers,
                "dims": done.dims.as_dict(),

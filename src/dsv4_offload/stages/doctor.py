@@ -28,6 +28,7 @@ from dsv4_offload.core.host import (
     version_at_least,
     visible_device,
 )
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
@@ -78,11 +79,19 @@ DRIVER_FIX = (
 )
 
 
+class DoctorOptions(StageOptions):
+    device: int | None = None  # the NPU to check (default: the idlest)
+    python: PathText | None = None  # the interpreter build, selftest and serve are to use
+
+
+Options = DoctorOptions
+
+
 def _device_option(ctx: StageContext) -> int | None:
-    value = ctx.option("device")
+    value = ctx.options_as(DoctorOptions).device
     if value is None:
         return visible_device(os.environ)
-    return int(value)
+    return value
 
 
 def probe(ctx: StageContext) -> HostFacts:
@@ -93,7 +102,7 @@ def probe(ctx: StageContext) -> HostFacts:
     tools += cross_tools(recipe)
     if recipe.host.pkg_config:
         tools.append("pkg-config")
-    python = str(ctx.option("python") or recipe.build.interpreter)
+    python = str(ctx.options_as(DoctorOptions).python or recipe.build.interpreter)
     return probe_host(ctx.workspace.root, tools=tools, pythons=[recipe.build.interpreter],
                       device_nodes=recipe.host.npu_device_nodes,
                       pkg_config=recipe.host.pkg_config,
@@ -299,7 +308,7 @@ def check_python(ctx: StageContext, facts: HostFacts) -> Check:
     if facts.root != "/":
         return Check("python", SKIP, f"host read from {facts.root}", required, "")
     try:
-        choice = chosen_python(ctx, record=False)
+        choice = chosen_python(ctx, python=ctx.options_as(DoctorOptions).python, record=False)
     except InputError as exc:
         return Check("python", WARN, exc.one_line().split(";")[0], required,
                      "set PYTHON_BIN (or --python) to the image's python 3.11 with torch and "
@@ -702,9 +711,9 @@ def run(ctx: StageContext) -> StageResult:
     """Probe the host, check it against the recipe, write reports/doctor.json."""
     with ctx.task("probing the host"):
         facts = probe(ctx)
-    # the pipeline takes the fingerprint from a copy of these options right after the run:
-    # it reuses these facts instead of running npu-smi and every --version a second time
-    ctx.options["host_facts"] = facts
+    # the pipeline takes the fingerprint from this context right after the run: it reuses
+    # these facts instead of running npu-smi and every --version a second time
+    ctx.host_facts = facts
     binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
     runtime = probe_runtime(ctx.recipe, facts)
     checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt, runtime)
@@ -756,7 +765,7 @@ def _digest(value: Any) -> str:
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Digests of the host facts doctor judges, minus what moves by itself (free memory,
     free disk, HBM in use), so a changed host makes doctor stale and names the area."""
-    f = ctx.options.get("host_facts") or probe(ctx)
+    f = ctx.host_facts or probe(ctx)
     # and the outcome of every check (name, verdict, requirement): what doctor read beyond
     # the facts below (the container runtime, binfmt, the recipe's requirements) makes it
     # stale too, so `run` runs it again; the interpreter by its recorded choice and
@@ -769,7 +778,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     return {
         "checks": _digest(sorted((c.name, c.status, c.required) for c in checks)),
         "python": _digest([recorded_python(ctx), os.environ.get(PYTHON_BIN_ENV),
-                           ctx.option("python")]),
+                           ctx.options_as(DoctorOptions).python]),
         "host.cpu": _digest([f.arch, sorted(f.cpu_flags), f.cores, f.cpu_model]),
         "host.numa": _digest(f.numa_cpulists),
         "host.memory": _digest(round((f.mem_total_kib or 0) / KIB_PER_GIB)),

@@ -36,6 +36,7 @@ from dsv4_offload.core import proxies
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.host import nearest_existing
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import downloads, hubs
@@ -50,6 +51,17 @@ MAX_STREAMS = 16
 HASH_WORKERS = 2  # sha256 runs ~1.5 GB/s per thread; two saturate most disks
 GIB = 1 << 30
 SIZE_TOLERANCE = 0.2  # listing total vs recipe expected_bytes before we warn
+
+
+class DownloadOptions(StageOptions):
+    which: str | None = None  # one weight set (default: both)
+    endpoint: str | dict[str, str] | None = None  # one URL for every hub, or {hub: URL}
+    local_dir_only: bool = False  # no traffic: check what is on disk
+    repair: bool = False  # fetch again the files whose digest failed
+    streams: int | None = None  # files at once (default: weights.streams)
+
+
+Options = DownloadOptions
 
 
 @dataclass
@@ -135,7 +147,7 @@ def _loopback_bypass(ctx: StageContext, sets: list[str], log: DownloadLog) -> It
 
 
 def requested_sets(ctx: StageContext) -> list[str]:
-    which = ctx.option("which")
+    which = ctx.options_as(DownloadOptions).which
     if which in (None, "", "all"):
         return list(DOWNLOAD_ORDER)
     if which not in WEIGHT_SETS:
@@ -146,15 +158,15 @@ def requested_sets(ctx: StageContext) -> list[str]:
 
 def endpoint_override(ctx: StageContext, hub: str) -> str | None:
     """The `endpoint` option: one URL for every hub, or a {hub: URL} mapping."""
-    value = ctx.option("endpoint")
+    value = ctx.options_as(DownloadOptions).endpoint
     if isinstance(value, dict):
         return value.get(hub)
     return value
 
 
 def streams(ctx: StageContext) -> int:
-    """Files fetched at once: --streams (or the older --max-workers), else weights.streams."""
-    value = ctx.option("streams") or ctx.option("max_workers") or ctx.recipe.weights.streams
+    """Files fetched at once: --streams, else weights.streams."""
+    value = ctx.options_as(DownloadOptions).streams or ctx.recipe.weights.streams
     try:
         count = int(value)
     except (TypeError, ValueError):
@@ -349,8 +361,9 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
     spec = getattr(ctx.recipe.weights, name)
     local_dir = ctx.workspace.weights_dir(ctx.recipe, name)
     record_path = ctx.workspace.weights_record(name)
-    offline = bool(ctx.option("local_dir_only")) or hubs.offline_by_env(spec.hub)
-    repair = bool(ctx.option("repair"))
+    options = ctx.options_as(DownloadOptions)
+    offline = options.local_dir_only or hubs.offline_by_env(spec.hub)
+    repair = options.repair
     report = SetReport(name)
     record = downloads.read_record(record_path, spec)
 

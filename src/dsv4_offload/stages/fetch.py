@@ -14,17 +14,27 @@ from typing import Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.inflight import human_bytes
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.recipe.sourcelock import apply_source_locks
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.workspace.context import StageContext
 
 
+class FetchOptions(StageOptions):
+    mirrors: tuple[str, ...] = ()  # NAME=URL items, tried before the recipe's URLs
+    force: bool = False
+
+
+Options = FetchOptions
+
+
 def run(ctx: StageContext) -> StageResult:
     gitsrc.require_git()
     recipe, ws = ctx.recipe, ctx.workspace
-    mirrors = gitsrc.mirrors_from(ctx.option("mirrors", []), recipe)
-    force = bool(ctx.option("force", False))
+    options = ctx.options_as(FetchOptions)
+    mirrors = gitsrc.mirrors_from(list(options.mirrors), recipe)
+    force = options.force
     log = ctx.log_dir / "git.log"
     rows: list[dict[str, Any]] = []
     problems: list[Problem] = []

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.sources import git as gitsrc
 from dsv4_offload.sources import series as series_ops
@@ -29,12 +30,20 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     return out
 
 
+class PatchOptions(StageOptions):
+    only: tuple[str, ...] = ()  # the targets to apply (none: every one)
+    force: bool = False
+
+
+Options = PatchOptions
+
+
 def run(ctx: StageContext) -> StageResult:
     gitsrc.require_git()
     log = ctx.log_dir / "apply.log"
-    only = ctx.option("only") or None
+    options = ctx.options_as(PatchOptions)
     outcomes = series_ops.apply_series(ctx.recipe, ctx.series, ctx.workspace, log,
-                                       only=only, force=bool(ctx.option("force", False)))
+                                       only=list(options.only) or None, force=options.force)
     problems: list[Problem] = []
     for o in outcomes:
         if o.recovered:

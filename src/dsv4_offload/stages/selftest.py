@@ -30,6 +30,7 @@ from dsv4_offload.build.moerun import (
 )
 from dsv4_offload.build.moerun import child_argv as child_argv
 from dsv4_offload.build.moerun import module_dir as module_dir
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.workspace.context import StageContext
 
@@ -38,6 +39,13 @@ if TYPE_CHECKING:
 
     from dsv4_offload.build.moecheck import Verdict
     from dsv4_offload.recipe import Recipe, Selftest
+
+class SelftestOptions(StageOptions):
+    real_layer: bool = False  # then a synthetic layer of the real layout, as level 4
+    python: PathText | None = None  # the build python that runs kt-kernel
+
+
+Options = SelftestOptions
 
 LAYER = 0
 # E8M0 bytes of the synthetic layer: scales 2^-8 .. 2^-3 keep the MoE's sums near 1, far
@@ -130,7 +138,8 @@ def run_one(ctx: StageContext, tokens: int, index: int, root: Path, gguf: Path,
     return run_forward(ctx, root / f"run-{index}-{tokens}", spec, arrays, ref,
                        timeout_s=test.timeout_s, min_cosine=test.min_cosine,
                        max_rel_l2=test.max_rel_l2, built=built,
-                       log=ctx.log_dir / "selftest.log")
+                       log=ctx.log_dir / "selftest.log",
+                       python=ctx.options_as(SelftestOptions).python)
 
 
 # --- the stage ------------------------------------------------------------------------------
@@ -181,7 +190,7 @@ def run(ctx: StageContext) -> StageResult:
     figures = "; ".join(v.reason for v in verdicts)
     outputs: dict[str, Any] = {"runs": [
         {k: v.as_dict()[k] for k in ("tokens", "regime", "cosine", "rel_l2")} for v in verdicts]}
-    if test.real_layer.rehearse or ctx.option("real_layer"):
+    if test.real_layer.rehearse or ctx.options_as(SelftestOptions).real_layer:
         return _real_layer(ctx, data, outputs, f"selftest passed in {seconds:.1f}s: {figures}")
     return StageResult(Status.OK, f"selftest passed in {seconds:.1f}s: {figures}", data=data,
                        outputs=outputs, log=log)
@@ -193,7 +202,7 @@ def _real_layer(ctx: StageContext, data: dict[str, Any], outputs: dict[str, Any]
     through kt-kernel (the small layer passed: a kernel that fails it fails this too)."""
     from dsv4_offload.build.layerforward import rehearse
 
-    check = rehearse(ctx)
+    check = rehearse(ctx, ctx.options_as(SelftestOptions).python)
     data["real_layer"] = check.as_dict()
     dims = check.dims
     what = (f"synthetic layer {check.layer} of the real layout ({dims['experts']} experts, "

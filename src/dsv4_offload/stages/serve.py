@@ -16,6 +16,7 @@ from typing import Any
 
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.cann import (
@@ -30,10 +31,24 @@ from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json, read_json
 
 
+class ServeOptions(StageOptions):
+    detach: bool = False  # leave the server under a background supervisor
+    device: int | None = None  # the NPU (default: the idlest healthy one)
+    longest_prompt: int | None = None  # tokens the chunked prefill must cover
+    python: PathText | None = None  # the interpreter to serve with
+    api_key_file: PathText | None = None  # sglang's --api-key, read from this file
+    warm: bool = True  # read the GGUF set into the page cache first, when it fits
+    set_keys: tuple[str, ...] = ()  # the dotted keys of --set, for --print's origins
+    accept_chunk: bool = False  # under `run`: a chunk that takes accept's longest bucket
+
+
+Options = ServeOptions
+
+
 def host_facts(ctx: StageContext) -> Any:
-    facts = ctx.options.get("host_facts")
-    if facts is not None:
-        return facts
+    """The host's facts: those already on the context, else probed now."""
+    if ctx.host_facts is not None:
+        return ctx.host_facts
     from dsv4_offload.core.host import probe_host
 
     return probe_host(ctx.workspace.root)
@@ -80,13 +95,14 @@ def make_plan(ctx: StageContext, gpu_experts: int | None = None, facts: Any = No
         rest = script_env.get("LD_LIBRARY_PATH", base.get("LD_LIBRARY_PATH", ""))
         script_env["LD_LIBRARY_PATH"] = ":".join(p for p in (kml, rest) if p)
     python, python_origin, python_note = _python(ctx, strict)
-    api_key_file = ctx.option("api_key_file") or serve.api_key_file
+    options = ctx.options_as(ServeOptions)
+    api_key_file = options.api_key_file or serve.api_key_file
     plan = build_plan(ctx.recipe, facts, ctx.workspace, base_env=base, script_env=script_env,
-                      device=ctx.option("device"), longest_prompt=longest_prompt(ctx),
+                      device=options.device, longest_prompt=longest_prompt(ctx),
                       gpu_experts=gpu_experts, mem_fraction=mem_fraction,
                       require_layers=strict, python=python, python_origin=python_origin,
                       toolkit=toolkit, toolkit_origin=toolkit_origin,
-                      set_keys=ctx.option("set_keys") or (),
+                      set_keys=options.set_keys,
                       api_key_file=Path(api_key_file) if api_key_file else None)
     if problem:
         plan.notes.append(problem.split(";")[0] + ": its environment is not included")
@@ -103,8 +119,9 @@ def longest_prompt(ctx: StageContext) -> int | None:
     """--longest-prompt, else, under `run` (accept follows), the chunk accept's longest
     bucket needs (acceptance.throughput.server_chunk: the guide starts the throughput
     server with CHUNKED_PREFILL_SIZE=32768, §7 and §8.1)."""
-    given = ctx.option("longest_prompt")
-    if given or not ctx.option("accept_chunk") or inherited_env().get("CHUNKED_PREFILL_SIZE"):
+    options = ctx.options_as(ServeOptions)
+    given = options.longest_prompt
+    if given or not options.accept_chunk or inherited_env().get("CHUNKED_PREFILL_SIZE"):
         return given  # an exported CHUNKED_PREFILL_SIZE is the user's: accept skips with why
     tp = ctx.recipe.acceptance.throughput
     return min(tp.server_chunk, ctx.recipe.serve.context_length)
@@ -118,7 +135,7 @@ def _python(ctx: StageContext, strict: bool) -> tuple[str, str, str]:
     from dsv4_offload.build.interpreter import chosen_python
 
     try:
-        choice = chosen_python(ctx, record=strict)
+        choice = chosen_python(ctx, python=ctx.options_as(ServeOptions).python, record=strict)
     except InputError as exc:
         # only raised with neither --python nor PYTHON_BIN given (both are taken unprobed):
         # no interpreter of this host imports the server, a host fact: exit 1, not 2
@@ -167,7 +184,7 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
 
 def run(ctx: StageContext) -> StageResult:
-    detach = bool(ctx.option("detach", False))
+    detach = ctx.options_as(ServeOptions).detach
     ws = ctx.workspace
     ws.ensure()
     ws.run_dir.mkdir(parents=True, exist_ok=True)
@@ -207,7 +224,7 @@ def run(ctx: StageContext) -> StageResult:
 
 def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
     """Read the GGUF set into the page cache before loading, when memory can hold it."""
-    if not ctx.option("warm", True):
+    if not ctx.options_as(ServeOptions).warm:
         return None
     from dsv4_offload.serving import pagecache
     from dsv4_offload.serving.rules import LAYER_PLACEHOLDER, weight_template
@@ -235,7 +252,8 @@ def _warm_page_cache(ctx: StageContext, facts: Any) -> dict[str, Any] | None:
 
 def _ladder_key(ctx: StageContext) -> str:
     # what worked holds for this recipe value on this card
-    return f"{ctx.recipe.serve.kt_num_gpu_experts}@{ctx.option('device', 'auto')}"
+    device = ctx.options_as(ServeOptions).device
+    return f"{ctx.recipe.serve.kt_num_gpu_experts}@{'auto' if device is None else device}"
 
 
 def _first_rung(ctx: StageContext) -> tuple[int | None, str | None]:

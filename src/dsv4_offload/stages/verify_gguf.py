@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.weights.conversion import default_jobs, gguf_dir, parse_layers, source_dir
 from dsv4_offload.weights.layerverify import (  # the checks convert runs per layer, too
@@ -46,6 +47,20 @@ from dsv4_offload.weights.layerverify import redo as _redo
 from dsv4_offload.workspace.context import StageContext
 
 __all__ = ["check_delivery_manifest", "deep_layers", "expected_digests", "run"]
+
+
+class VerifyGgufOptions(StageOptions):
+    deep: int | None = None  # layers compared bit for bit (default 1, unless convert did)
+    manifest: PathText | None = None  # sha256sum-format digests (default: the recipe's)
+    source: PathText | None = None  # the MXFP4 checkpoint (default: the workspace's download)
+    gguf_dir: PathText | None = None  # the layer files (default: the workspace's)
+    layers: str | None = None  # '0-42', '3,5,7' (default: every layer)
+    jobs: int | None = None  # files hashed at once (default: from the cores)
+    kernel: bool = True  # level 4: a layer through the built kt-kernel
+    python: PathText | None = None  # the build python that runs kt-kernel at level 4
+
+
+Options = VerifyGgufOptions
 
 
 @dataclass
@@ -106,7 +121,8 @@ def check_sources(source: Path, out_dir: Path, paths: dict[int, Path], report: R
 
 def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     """Size and mtime of each layer file, so a touched file makes this stage stale."""
-    out_dir = gguf_dir(ctx)
+    options = ctx.options_as(VerifyGgufOptions)
+    out_dir = gguf_dir(ctx, options.gguf_dir)
     stats = []
     try:
         for entry in sorted(os.scandir(out_dir), key=lambda e: e.name):
@@ -120,8 +136,8 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
 
     # level 4 runs the built kt-kernel: a rebuild makes this stage stale
     out = {"gguf.files": f"{len(stats)}:{digest}", **module_fingerprint(ctx)}
-    if ctx.option("manifest"):
-        out["manifest"] = str(ctx.option("manifest"))
+    if options.manifest:
+        out["manifest"] = str(options.manifest)
     return out
 
 
@@ -130,11 +146,12 @@ def run(ctx: StageContext) -> StageResult:
     from dsv4_offload.weights.gguf_io import LayerLayout, recipe_dims, write_own_manifest
 
     conv = ctx.recipe.conversion
-    out_dir, source = gguf_dir(ctx), source_dir(ctx)
+    options = ctx.options_as(VerifyGgufOptions)
+    out_dir, source = gguf_dir(ctx, options.gguf_dir), source_dir(ctx, options.source)
     has_source = (source / CONFIG_FILE).is_file()
     dims = parse_config(source / CONFIG_FILE) if has_source else recipe_dims(conv)
     real_dims = dims == recipe_dims(conv)
-    layers = parse_layers(ctx.option("layers"), dims.layers)
+    layers = parse_layers(options.layers, dims.layers)
     layouts = {layer: LayerLayout.for_layer(layer, dims, conv) for layer in layers}
     if real_dims and layouts[layers[0]].file_bytes != conv.expected_file_bytes:
         raise InputError(
@@ -143,7 +160,7 @@ def run(ctx: StageContext) -> StageResult:
         )
     names = {layer: conv.file_name(layer) for layer in layers}
     paths = {layer: out_dir / names[layer] for layer in layers}
-    jobs = int(ctx.option("jobs") or default_jobs(len(layers)))
+    jobs = int(options.jobs or default_jobs(len(layers)))
     report = Report()
     report.data.update(gguf_dir=str(out_dir), layers=layers, dims=dims.as_dict(),
                        dims_from=str(source / CONFIG_FILE) if has_source else "recipe")
@@ -158,13 +175,14 @@ def run(ctx: StageContext) -> StageResult:
     prechecked = {layer: checks[names[layer]] for layer in layers
                   if still_checked(checks.get(names[layer]), paths[layer])}
     report.data["prechecked"] = sorted(prechecked)
-    expected, origin = expected_digests(ctx, names, real_dims, out_dir)
+    expected, origin = expected_digests(ctx, names, real_dims, out_dir, options.manifest)
     digests = _level2(ctx, layouts, paths, names, expected, origin, jobs, report, prechecked)
     _level3(ctx, layouts, paths, source if has_source else None, jobs, report, prechecked)
     if not report.failed:
         from dsv4_offload.build.layerforward import level4
 
-        report.levels["4"], found, kernel = level4(ctx, paths, source if has_source else None)
+        report.levels["4"], found, kernel = level4(ctx, paths, source if has_source else None,
+                                                   kernel=options.kernel, python=options.python)
         report.problems += found
         report.data.update(kernel)
     if report.failed:
@@ -217,8 +235,9 @@ def _level3(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
     default, not a layer convert compared a sample of, unchanged since)."""
     from dsv4_offload.weights.checkpoint import Checkpoint
 
-    deep_option = ctx.option("deep")
-    chosen = deep_layers(list(layouts), 1 if deep_option is None else int(deep_option))
+    options = ctx.options_as(VerifyGgufOptions)
+    deep_option = options.deep
+    chosen = deep_layers(list(layouts), 1 if deep_option is None else deep_option)
     report.levels["3"] = "skipped"
     sampled = sorted(layer for layer, entry in (prechecked or {}).items()
                      if entry.get("experts_compared"))
@@ -231,7 +250,7 @@ def _level3(ctx: StageContext, layouts: dict[int, Any], paths: dict[int, Path],
     if source is None:
         # without --deep, a missing source only weakens the check; asked for, it fails it
         (report.error if deep_option is not None else report.warn)(
-            f"level 3: no source checkpoint at {source_dir(ctx)} to compare with",
+            f"level 3: no source checkpoint at {source_dir(ctx, options.source)} to compare with",
             "pass --source DIR (the native MXFP4 checkpoint) or --deep 0", "level3")
         return
     deep_bytes = sum(layouts[layer].file_bytes - layouts[layer].data_offset for layer in chosen)

@@ -91,13 +91,13 @@ def default_jobs(layers_todo: int) -> int:
 # --- paths and dims ------------------------------------------------------------------------
 
 
-def source_dir(ctx: StageContext) -> Path:
-    value = ctx.option("source")
+def source_dir(ctx: StageContext, value: str | None = None) -> Path:
+    """``value`` (the stage's --source), else the workspace's MXFP4 download."""
     return Path(value).absolute() if value else ctx.workspace.weights_dir(ctx.recipe, "mxfp4")
 
 
-def gguf_dir(ctx: StageContext) -> Path:
-    value = ctx.option("gguf_dir")
+def gguf_dir(ctx: StageContext, value: str | None = None) -> Path:
+    """``value`` (the stage's --gguf-dir), else the workspace's GGUF set."""
     return Path(value).absolute() if value else ctx.workspace.gguf_dir(ctx.recipe)
 
 

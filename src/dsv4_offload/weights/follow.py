@@ -176,24 +176,25 @@ def _wait_for_head(ctx: StageContext) -> None:
         time.sleep(POLL_S)
 
 
-def follow(ctx: StageContext, source: Path, out_dir: Path) -> Followed:
-    """Convert and check the selected layers as their shards arrive (module docstring)."""
+def follow(ctx: StageContext, source: Path, out_dir: Path, *, layers_spec: str | None = None,
+           jobs: int | None = None, force: bool = False) -> Followed:
+    """Convert and check the selected layers (``layers_spec``: --layers) as their shards
+    arrive (module docstring), ``jobs`` at once; ``force`` redoes layers already there."""
     from dsv4_offload.weights.checkpoint import Checkpoint
     from dsv4_offload.weights.gguf_io import LayerLayout, forget_manifest_entries, recipe_dims
 
     conv = ctx.recipe.conversion
-    force = bool(ctx.option("force", False))
     _wait_for_head(ctx)
     t0 = time.monotonic()
     with Checkpoint.open(source) as ckpt:
         dims = ckpt.dims
-        layers = parse_layers(ctx.option("layers"), dims.layers)
+        layers = parse_layers(layers_spec, dims.layers)
         shards = downloads.layer_shards(ckpt.weight_map)
         layouts = {layer: LayerLayout.for_layer(layer, dims, conv) for layer in layers}
         names = {layer: conv.file_name(layer) for layer in layers}
         expected, origin = layerverify.expected_digests(ctx, names, dims == recipe_dims(conv),
                                                        out_dir)
-        jobs = int(ctx.option("jobs") or default_jobs(len(layers)))
+        jobs = int(jobs or default_jobs(len(layers)))
         if jobs < 1:
             raise InputError(f"--jobs {jobs}: must be at least 1")
         jobs = min(jobs, len(layers))

@@ -94,11 +94,12 @@ def hash_files(paths: list[Path], jobs: int, advance: Any = None) -> dict[Path, 
 
 
 def expected_digests(ctx: StageContext, names: dict[int, str], real_dims: bool,
-                     out_dir: Path) -> tuple[dict[str, str] | None, str]:
-    """(file name -> digest, where they come from), or (None, why not) if there are none."""
+                     out_dir: Path, manifest: str | None = None
+                     ) -> tuple[dict[str, str] | None, str]:
+    """(file name -> digest, where they come from), or (None, why not) if there are none;
+    ``manifest`` is the stage's --manifest."""
     from dsv4_offload.weights.gguf_io import OWN_MANIFEST, parse_manifest, read_own_manifest
 
-    manifest = ctx.option("manifest")
     if manifest:
         path = Path(manifest)
         text = read_user_text(path, "manifest", 1 << 20, "give a sha256sum file",

@@ -1,23 +1,34 @@
-"""The context a stage receives: the recipe, its series, the workspace and the options.
+"""The context a stage receives: the recipe, its series, the workspace and its options.
 
 ``StageContext.open`` is the one place a command turns its global options into a context
 (the recipe loaded once, `--set` and the workspace's locked commits applied); the pipeline
-hands a copy per stage (``for_stage``) to the stage's ``run``.
+hands a copy per stage (``for_stage``) with that stage's typed options (core/options) to the
+stage's ``run``, which reads them with ``ctx.options_as(ItsOptions)``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
+from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.results import Progress, Task
 
 if TYPE_CHECKING:
+    from dsv4_offload.core.host import HostFacts
     from dsv4_offload.recipe import Recipe, Series
     from dsv4_offload.workspace.store import Workspace
+
+
+OptionsT = TypeVar("OptionsT", bound=StageOptions)
+
+
+def _own(options: StageOptions | Mapping[str, Any]) -> StageOptions | Mapping[str, Any]:
+    """Typed options as they are (frozen); a mapping copied, so no two contexts share it."""
+    return options if isinstance(options, StageOptions) else dict(options)
 
 
 @dataclass
@@ -25,15 +36,21 @@ class StageContext:
     recipe: Recipe
     series: Series
     workspace: Workspace
-    options: dict[str, Any] = field(default_factory=dict)
+    # the stage's typed options (the pipeline's: `run`'s RunOptions); a context made by hand
+    # (a test, the report) may hold a plain mapping, which ``options_as`` reads by the type
+    options: StageOptions | Mapping[str, Any] = field(default_factory=dict)
     progress: Progress = field(default_factory=Progress)
     stage: str = ""
     verbose: bool = False
+    # the host's facts once probed: doctor's run leaves them for its fingerprint right after
+    # (npu-smi and every --version not run twice); a test puts a captured host here
+    host_facts: HostFacts | None = None
 
     @classmethod
     def open(cls, recipe: str | None, overrides: list[str], workspace: str | None, *,
-             options: dict[str, Any] | None = None, progress: Progress | None = None,
-             stage: str = "", verbose: bool = False) -> StageContext:
+             options: StageOptions | Mapping[str, Any] | None = None,
+             progress: Progress | None = None, stage: str = "", verbose: bool = False
+             ) -> StageContext:
         """The recipe (bundled name or file) with its `--set` items and the workspace's
         locked commits, its series, and the workspace (``--workspace``, else the default)."""
         from dsv4_offload.recipe import load_recipe_and_series
@@ -41,21 +58,22 @@ class StageContext:
 
         ws = Workspace.from_option(workspace)
         loaded, series = load_recipe_and_series(recipe, overrides, locks=ws.sources_lock_file)
-        return cls(recipe=loaded, series=series, workspace=ws, options=dict(options or {}),
+        return cls(recipe=loaded, series=series, workspace=ws, options=_own(options or {}),
                    progress=progress or Progress(), stage=stage, verbose=verbose)
 
-    def for_stage(self, stage: str, options: dict[str, Any] | None = None) -> StageContext:
+    def for_stage(self, stage: str, options: StageOptions | Mapping[str, Any] | None = None
+                  ) -> StageContext:
         """The same recipe, workspace and progress for one stage, with its own options."""
         return replace(self, stage=stage,
-                       options=dict(options if options is not None else self.options))
+                       options=_own(options if options is not None else self.options))
+
+    def options_as(self, kind: type[OptionsT]) -> OptionsT:
+        """This context's options as the stage's type ``kind`` (``kind.of``)."""
+        return kind.of(self.options)
 
     @property
     def log_dir(self) -> Path:
         return self.workspace.log_dir(self.stage)
-
-    def option(self, name: str, default: Any = None) -> Any:
-        value = self.options.get(name)
-        return default if value is None else value
 
     def event(self, event: str, **fields: Any) -> None:
         """One event of this stage on the pipelined run's stream (core/events); nothing

@@ -1,0 +1,107 @@
+"""Typed stage options: the base every stage's ``Options`` model derives from, and `run`'s.
+
+Each stage module declares its options as a frozen model (``stages/convert.py``:
+``ConvertOptions``, exported as ``Options``); the command line and `run` build them, and they
+cross processes as their wire form (``to_wire``, JSON-able; ``parse`` reads it back). An
+option given as None is not given, as it always was: the field's default applies.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import ItemsView, Mapping
+from typing import Annotated, Any, TypeVar
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
+
+from dsv4_offload.core.errors import InputError
+
+
+def _path_text(value: Any) -> Any:
+    return os.fspath(value) if isinstance(value, os.PathLike) else value
+
+
+OptionsT = TypeVar("OptionsT", bound="StageOptions")
+
+# a path as the command line gives it (text); a Path made by a caller is taken as its text
+PathText = Annotated[str, BeforeValidator(_path_text)]
+
+
+class StageOptions(BaseModel):
+    """The options of one stage: a frozen model whose fields are the option names."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _none_is_not_given(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+    @classmethod
+    def parse(cls: type[OptionsT], stage: str, data: Mapping[str, Any]) -> OptionsT:
+        """These options from a mapping (the wire form, a registry row, a scheduler's
+        additions); an unknown name or a bad value is an InputError naming stage and name."""
+        fields = cls.model_fields
+        unknown = [k for k in data if k not in fields]
+        if unknown:
+            known = ", ".join(sorted(fields)) or "none"
+            raise InputError(f"stage '{stage}' has no option '{unknown[0]}' (its options: "
+                             f"{known})")
+        return cls._checked(stage, data)
+
+    @classmethod
+    def _checked(cls: type[OptionsT], stage: str, data: Mapping[str, Any]) -> OptionsT:
+        try:
+            return cls.model_validate(dict(data))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            name = ".".join(str(p) for p in first["loc"]) or "?"
+            raise InputError(f"stage '{stage}': option '{name}' = {first.get('input')!r}: "
+                             f"{first['msg']}") from None
+
+    @classmethod
+    def shared(cls: type[OptionsT], given: StageOptions | Mapping[str, Any]) -> OptionsT:
+        """The options of ``given`` (another stage's, `run`'s, a mapping) that this type
+        declares too; the rest is not this stage's and stays behind."""
+        values = given.given() if isinstance(given, StageOptions) else dict(given)
+        return cls._checked(cls.__name__, {k: v for k, v in values.items()
+                                           if k in cls.model_fields})
+
+    @classmethod
+    def of(cls: type[OptionsT], given: StageOptions | Mapping[str, Any]) -> OptionsT:
+        """``given`` when it is of this type, else the options of it this type declares (a
+        context made by hand holds a plain mapping, a fingerprint reads an upstream's)."""
+        return given if isinstance(given, cls) else cls.shared(given)
+
+    def given(self) -> dict[str, Any]:
+        """The options set explicitly (not left at their defaults), by name."""
+        return {name: getattr(self, name) for name in self.model_fields_set}
+
+    def items(self) -> ItemsView[str, Any]:
+        """The options given, as (name, value) pairs: for code that lists what it got."""
+        return self.given().items()
+
+    def to_wire(self) -> dict[str, Any]:
+        """The options given, as JSON-able values: what crosses to another process."""
+        return self.model_dump(mode="json", include=set(self.model_fields_set))
+
+
+class RunOptions(StageOptions):
+    """What `run` takes for its stages (--mirror, --device).
+
+    Not a base of the stages' types: each stage declares the ones it reads (fetch its
+    mirrors, doctor and serve the device) and `run` hands each stage only those, so a stage's
+    options are exactly what it reads and nothing else crosses with them.
+    """
+
+    mirrors: tuple[str, ...] = ()
+    device: int | None = None
+
+
+class FollowOptions(StageOptions):
+    """The base of the options of a stage that can follow its streams (``FOLLOWS = True``,
+    core/registry): a pipelined run sets ``follow`` when it starts the stage beside them."""
+
+    follow: bool = False
