@@ -281,11 +281,15 @@ REPACK_ROW = (
     "            disk_sets=(r.DiskSet('packed', 'conversion.gguf_dir',\n"
     "                                 ('conversion.layers', 'conversion.expected_file_bytes')),))")
 REPACK_MODULE = (
+    "from dsv4_offload.core.options import StageOptions\n"
     "from dsv4_offload.core.results import StageResult, Status\n"
+    "class Options(StageOptions):\n"
+    "    jobs: int | None = None  # a stage of a CPU class takes the jobs it is given\n"
     "def run(ctx):\n"
     "    with ctx.task('repack packed', total=4096, unit='B') as task:\n"
     "        task.update(completed=4096)\n"
-    "    (ctx.workspace.root / 'repack.jobs').write_text(str(ctx.option('jobs')))\n"
+    "    jobs = ctx.options_as(Options).jobs\n"
+    "    (ctx.workspace.root / 'repack.jobs').write_text(str(jobs))\n"
     "    return StageResult(Status.OK, 'experts repacked')\n")
 
 
