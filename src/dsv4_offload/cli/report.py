@@ -163,16 +163,12 @@ def _tail(path: Path, lines: int = TAIL) -> str:
 
 
 def _doctor(typer_ctx: typer.Context) -> Any:
-    """The doctor stage's result document, run here; an exception is recorded instead."""
+    """The doctor stage's result document, evaluated through the pipeline without a record;
+    an exception is recorded instead."""
     try:
-        import importlib
+        from dsv4_offload import pipeline
 
-        from dsv4_offload.core.registry import STAGES
-
-        ctx = kit.load_context(typer_ctx, "doctor", {})
-        spec = next(s for s in STAGES if s.name == "doctor")
-        result = importlib.import_module(spec.module).run(ctx.for_stage("doctor", {}))
-        return result.as_dict()
+        return pipeline.evaluate(kit.load_context(typer_ctx, "doctor"), "doctor").as_dict()
     except Exception as exc:  # the report is for when things are broken: never fail on it
         return {"status": "error", "error": f"{type(exc).__name__}: {exc}"}
 

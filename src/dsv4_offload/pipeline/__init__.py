@@ -23,6 +23,7 @@ from dsv4_offload.pipeline.serial import (
     PlanItem,
     RunOutcome,
     dispatch_stage,
+    evaluate,
     plan,
     run_pipeline,
     run_stage,
@@ -38,7 +39,7 @@ from dsv4_offload.pipeline.status import (
 
 __all__ = [
     "NOT_APPLICABLE", "STAGES", "STAGE_NAMES", "PlanItem", "RunOutcome",
-    "StageSpec", "StageStatus", "changed_inputs", "dispatch_stage", "fingerprint",
+    "StageSpec", "StageStatus", "changed_inputs", "dispatch_stage", "evaluate", "fingerprint",
     "from_wire", "leftover_processes", "load_stage_module", "model_digest",
     "not_applicable_reason", "options_type", "pipeline_status", "plan", "recipe_inputs",
     "run_pipeline", "run_stage", "spec", "stage_options", "stage_range", "stage_status",

@@ -290,10 +290,11 @@ class Scheduler:
             running = [s for s in self.slots.values() if s.state == StageState.RUNNING]
             if not running:
                 break
-            ended = [s for s in running if s.child is not None and s.child.proc.poll() is not None]
+            ended = [(s, s.child) for s in running
+                     if s.child is not None and s.child.proc.poll() is not None]
             self._drain()
-            for s in ended:
-                self._finish(s)
+            for s, child in ended:
+                self._finish(s, child)
             if not ended:
                 time.sleep(POLL_S)
         for s in self.slots.values():  # cannot happen: every wait ends in a start or a block
@@ -387,9 +388,8 @@ class Scheduler:
         base = self.path.parent
         return (_private(base / f"{name}.out"), _private(base / f"{name}.err"))
 
-    def _finish(self, s: Slot) -> None:
-        assert s.child is not None
-        code = s.child.proc.returncode
+    def _finish(self, s: Slot, child: Child) -> None:
+        code = child.proc.returncode
         s.exit_code = code
         s.seconds = round(time.monotonic() - (s.t0 or time.monotonic()), 3)
         report = childrun.read_report(_text(self.path.parent / f"{s.name}.out"), s.name)
@@ -414,7 +414,7 @@ class Scheduler:
             s.error = mine.error or s.cli_error or _last_line(
                 self.path.parent / f"{s.name}.err") or f"exit code {code}"
         if status == StageState.RUNNING:  # it died without recording its end (killed outright)
-            s.error = (f"the stage process (pid {s.child.pid}) ended with exit code {code} "
+            s.error = (f"the stage process (pid {child.pid}) ended with exit code {code} "
                        "without recording its outcome")
             self.ws.write_stage_record(s.name, mine.changed(
                 status=s.state, ended=events.stamp(), error=s.error))
@@ -441,7 +441,8 @@ class Scheduler:
                           first=sig)
             self._drain()
             for s in running:
-                self._finish(s)
+                if s.child is not None:
+                    self._finish(s, s.child)
                 if s.state == StageState.FAILED:  # stopped by us, whatever its exit said
                     s.state = StageState.INTERRUPTED
         finally:

@@ -30,16 +30,7 @@ def run_stage(ctx: StageContext, name: str,
     """Run one stage now (the caller holds the lock) and record the outcome; without
     ``options``, those of the context the stage declares."""
     stage = spec(name)
-    why_not = not_applicable_reason(ctx, name)
-    if why_not:
-        raise InputError(f"stage '{name}' is {why_not} (its not_applicable list); stop "
-                         "there with `run --to` that stage, or use a recipe that has it")
-    module = load_stage_module(stage)
-    if module is None or not hasattr(module, "run"):
-        raise NotImplementedStage(
-            f"stage '{name}' is not implemented in this version of dsv4-offload; "
-            f"stop before it with `run --to {_previous(name)}`"
-        )
+    module = _runnable(ctx, stage)
     sub = ctx.for_stage(name, _typed(name, ctx, options))
     if events.events_file() is not None:  # a stage process of a pipelined run
         sub = replace(sub, progress=events.EventProgress(name, sub.progress))
@@ -243,6 +234,29 @@ def dispatch_stage(ctx: StageContext, name: str, options: StageOptions,
         # the container's own `run` records the stage in the shared state file
         return run_stage_inside(ctx, name, options, options if standalone else None, before)
     return run_stage(ctx, name, options)
+
+
+def _runnable(ctx: StageContext, stage: StageSpec) -> Any:
+    """The stage's module, once the recipe has the stage and this version implements it."""
+    why_not = not_applicable_reason(ctx, stage.name)
+    if why_not:
+        raise InputError(f"stage '{stage.name}' is {why_not} (its not_applicable list); stop "
+                         "there with `run --to` that stage, or use a recipe that has it")
+    module = load_stage_module(stage)
+    if module is None or not hasattr(module, "run"):
+        raise NotImplementedStage(
+            f"stage '{stage.name}' is not implemented in this version of dsv4-offload; "
+            f"stop before it with `run --to {_previous(stage.name)}`"
+        )
+    return module
+
+
+def evaluate(ctx: StageContext, name: str) -> StageResult:
+    """Run a stage that only looks (doctor) for a report: its own options, no record, no
+    event, no lock; what it finds is returned, the workspace's state is left as it was."""
+    module = _runnable(ctx, spec(name))
+    result: StageResult = module.run(ctx.for_stage(name, stage_options(name)))
+    return result
 
 
 def _typed(name: str, ctx: StageContext, options: StageOptions | Mapping[str, Any] | None

@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 from dsv4_offload.core import procs
 from dsv4_offload.core.errors import Dsv4Error, InputError
@@ -426,7 +426,7 @@ def write_record(path: Path, record: ServeRecord) -> None:
     atomic_write_json(path, record.as_dict())
 
 
-def record_alive(record: ServeRecord | None) -> bool:
+def record_alive(record: ServeRecord | None) -> TypeGuard[ServeRecord]:
     """Is the supervised server (or its supervisor, while starting it) still there? By pid
     and start time: a pid reused by another process is not our server."""
     if record is None:

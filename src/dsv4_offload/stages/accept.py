@@ -93,7 +93,7 @@ def run(ctx: StageContext) -> StageResult:
         raise InputError(f"--gpqa {gpqa_rounds}: give a number of rounds (the delivery runs 10)")
     evalscope = gpqa.find_evalscope() if gpqa_rounds else None  # before any traffic
     record = sv.read_record(ctx.workspace.serve_record)
-    url = options.url or (record.url if sv.record_alive(record) and record else
+    url = options.url or (record.url if sv.record_alive(record) else
                                 connect_url(ctx.recipe.serve.host, ctx.recipe.serve.port))
     # nothing started here and no --url: the next step is to start the server, not its logs
     dead_fix = ("the server hung or died: `dsv4-offload serve logs`"

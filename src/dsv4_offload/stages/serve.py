@@ -191,7 +191,6 @@ def run(ctx: StageContext) -> StageResult:
     facts = host_facts(ctx)
     existing = sv.read_record(ws.serve_record)
     if sv.record_alive(existing):
-        assert existing is not None
         return _already_running(ctx, existing, facts)
 
     attempts: list[dict[str, Any]] = []
@@ -209,15 +208,15 @@ def run(ctx: StageContext) -> StageResult:
                          **({"fatal": outcome.fatal.key} if outcome.fatal else {})})
         if outcome.ready:
             _remember_rung(ctx, experts, attempts)
-            return _ready(ctx, plan, log, experts, attempts, detach, server, remembered,
+            return _ready(ctx, plan, log, experts, attempts, server, remembered,
                           warmth)
         _stop_attempt(ctx, server)
         fatal = outcome.fatal
+        # only a fatal line that fewer resident experts can cure is worth another start
         step = (next_attempt(ctx.recipe.serve, fraction, experts, fatal.key)
                 if fatal is not None and fatal.retry_fewer_experts else None)
-        if step is None:
+        if fatal is None or step is None:
             return _failed(ctx, plan, log, outcome, attempts)
-        assert fatal is not None
         ctx.progress.message(f"{fatal.cause}; {step[2]}")
         plan = make_plan(ctx, step[1], facts, mem_fraction=step[0])
 
@@ -354,7 +353,7 @@ def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
 
 
 def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
-           attempts: list[dict[str, Any]], detach: bool, server: sv.ServerProcess | None,
+           attempts: list[dict[str, Any]], server: sv.ServerProcess | None,
            remembered: str | None = None, warmth: dict[str, Any] | None = None) -> StageResult:
     outputs = {"url": plan.url, "log": str(log), "kt_num_gpu_experts": experts,
                "attempts": attempts, "argv": plan.argv, "derived": plan.derived,
@@ -382,13 +381,12 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
             fix=f"make it the default: --set serve.kt_num_gpu_experts={experts} --set "
             f"serve.mem_fraction_static={fraction:g}", check="serve.ladder"))
     status = Status.WARN if len(attempts) > 1 else Status.OK
-    if detach:
+    if server is None:  # detached: the supervisor holds the server
         record = sv.read_record(ctx.workspace.serve_record)
         pid = record.server_pid if record else None
         return StageResult(status, f"server ready at {plan.url} (pid {pid}, {experts} resident "
                            "experts); stop it with `dsv4-offload serve stop`",
                            data=outputs, problems=problems, outputs=outputs, log=str(log))
-    assert server is not None
     ctx.progress.message(f"server ready at {plan.url}; Ctrl-C stops it")
     try:
         code = server.wait()
