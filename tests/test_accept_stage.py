@@ -68,13 +68,26 @@ def test_good_server_passes_with_the_delivery_method_report_chart_and_provenance
     names = [c["name"] for c in result.data["checks"]]
     assert names[:5] == ["GET /health", "GET /health_generate", "probe capital-zh",
                          "probe capital-en", "determinism"]
-    assert names[5:7] == ["decode throughput", "server alive after the run"]
-    assert names[7:] == ["log has 'weights loaded'", "log has 'depool slot reserved'",
-                         "log has 'KV pool sized'", "log has 'NPU graph captured'",
-                         "log without 'streaming prefill fell back'",
-                         "log without 'resident write failed'",
-                         "log without 'GGUF dedup without a template'",
-                         "log without 'slot reserve failed at load'"]
+    # the probes again after the long prompts, and their answers against the first ones
+    # (a prompt over the streaming threshold moved the resident experts: issue 34)
+    assert names[5:11] == ["decode throughput", "probe capital-zh after the long prompts",
+                           "probe capital-en after the long prompts",
+                           "answers survive a streamed prompt",
+                           "no </think> leak after a streamed prompt",
+                           "server alive after the run"]
+    survive = _check(result, "answers survive a streamed prompt")
+    assert survive["observed"].startswith("similarity before/after a ")
+    assert "streamed prompt: mean 1.00 over 2 greedy probes" in survive["observed"]
+    assert result.data["switches"]["source"].startswith("the server's environment, /proc/")
+    assert result.data["switches"]["values"]["KT_DYNAMIC_RESIDENT"] == "1"
+    # accept's own prompt over the streaming threshold (512) makes the residency lines due
+    assert names[11:] == ["log has 'weights loaded'", "log has 'depool slot reserved'",
+                          "log has 'inline residency done'", "log has 'resident write verified'",
+                          "log has 'KV pool sized'", "log has 'NPU graph captured'",
+                          "log without 'streaming prefill fell back'",
+                          "log without 'resident write failed'",
+                          "log without 'GGUF dedup without a template'",
+                          "log without 'slot reserve failed at load'"]
     buckets = result.data["throughput"]
     assert [b["target"] for b in buckets] == [130, 400]
     for b in buckets:  # counted in the server's own tokens, never above the bucket
@@ -179,13 +192,14 @@ def test_without_server_info_the_chunk_comes_from_the_serve_record(tmp_path, no_
 
 def test_the_fallback_only_long_prompts_cause_is_caught_in_the_log(tmp_path, no_leftovers):
     # prompts of >= 330 tokens log sglang/0003's fallback line: the 400 bucket's warm-up and
-    # 2 runs (the calibration prompts are shorter)
+    # 2 runs, and the one prompt over the streaming threshold that accept sends after them
+    # (the calibration prompts are shorter)
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
                                    "--fallback-over", "330")
     assert result.status is Status.FAILED
     assert _failed(result) == ["log without 'streaming prefill fell back'"]
     check = _check(result, "log without 'streaming prefill fell back'")
-    assert check["detail"].startswith("3x, first: \"[") and "hybrid fallback" in check["detail"]
+    assert check["detail"].startswith("4x, first: \"[") and "hybrid fallback" in check["detail"]
     assert _check(result, "decode throughput")["ok"]  # the throughput itself was fine
 
 
@@ -500,3 +514,55 @@ def test_the_evaluator_env_adds_the_server_and_loopback_to_no_proxy():
     assert env["NO_PROXY"] == "corp.local,10.1.2.3,localhost,127.0.0.1"
     assert env["no_proxy"] == "10.1.2.3,localhost,127.0.0.1"
     assert env["http_proxy"] == "http://proxy:3128"  # kept for everything else
+
+
+# --- issue 34: answers after a prompt that streams ---------------------------------------------
+
+
+def test_a_server_whose_resident_write_is_broken_fails_naming_the_write(tmp_path, no_leftovers):
+    """The delivery's series unmodified on torch_npu: after the first prompt over the
+    streaming threshold the stand-in answers from stale expert weights (still on topic, so
+    the keyword probes pass), and prints no verification line."""
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--resident-write", "broken")
+    assert result.status is Status.FAILED
+    assert _failed(result) == ["answers survive a streamed prompt",
+                               "no </think> leak after a streamed prompt",
+                               "log has 'resident write verified'"]
+    survive = _check(result, "answers survive a streamed prompt")
+    assert survive["observed"].startswith("similarity before/after a ")
+    mean = float(survive["observed"].split("mean ")[1].split(" ")[0])
+    assert mean < 0.75, survive
+    # the cause, from the server's own switches and the series this workspace applies
+    assert "_apply_resident_layer_depool" in survive["fix"]
+    assert "the series carries the fix (sglang-resident-write-through), so the server runs " \
+           "a build without it" in survive["fix"]
+    think = _check(result, "no </think> leak after a streamed prompt")
+    assert think["observed"] == ("2 of 2 non-thinking answers carry </think> after it, 0 of 2 "
+                                 "before")
+    # the keyword probes alone would have passed it
+    assert _check(result, "probe capital-en after the long prompts")["ok"] is True
+    assert "residency switches: KT_PREFILL_STREAM=1" in result.summary
+
+
+def test_the_fixed_server_passes_and_its_verification_line_is_required(tmp_path, no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good")
+    assert result.status is Status.OK, result.summary
+    verified = _check(result, "log has 'resident write verified'")
+    assert verified["ok"] and "[KT_STREAM] resident write verified: layer 0 slot 0 holds " \
+        "expert" in verified["observed"]
+    assert _check(result, "log without 'resident write failed'")["ok"]
+
+
+def test_without_our_fix_in_the_series_the_line_is_not_required_and_drift_names_the_patch(
+        tmp_path, no_leftovers):
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
+                                   "--resident-write", "broken",
+                                   sets=["series_skip=[sglang-resident-write-through]"])
+    names = [c["name"] for c in result.data["checks"]]
+    assert "log has 'resident write verified'" not in names
+    assert "log without 'resident write failed'" not in names
+    survive = _check(result, "answers survive a streamed prompt")
+    assert survive["ok"] is False
+    assert "serve with the series' fix sglang-resident-write-through (drop it from the " \
+           "recipe's series_skip" in survive["fix"]

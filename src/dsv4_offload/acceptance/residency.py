@@ -29,6 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.acceptance import throughput as tp
+from dsv4_offload.acceptance.probes import ServerClient
 from dsv4_offload.core.results import Check
 
 # the knobs that decide whether a prompt streams and residency moves (launch_ds4flash_npu.sh
@@ -97,7 +99,8 @@ def server_switches(pid: int | None, recorded: Mapping[str, str] | None,
                             f"the server's environment, /proc/{pid}/environ")
     if recorded:
         return Switches({k: str(recorded[k]) for k in SWITCHES if k in recorded},
-                        "the environment the server was launched with (serve record)")
+                        "the environment this workspace launches it with (serve.env, an "
+                        "exported knob winning)")
     return Switches({}, "a server not started by this workspace: its environment is not "
                     "readable here")
 
@@ -133,6 +136,27 @@ class Drift:
                 "mean": self.mean, "think_before": self.think_leaks(self.before),
                 "think_after": self.think_leaks(self.after), "before": self.before,
                 "after": self.after}
+
+
+class StreamFailed(Exception):
+    """The long prompt got no answer: the server failed under it."""
+
+
+def stream_once(client: ServerClient, threshold: int, chunk: int, chat: bool) -> int | None:
+    """Send one prompt a little over the streaming threshold, sized in the server's own
+    tokens and within its chunked prefill (a longer prompt fails there, guide G306-310);
+    its size as the server counted it (estimated where it does not say), or None where the
+    chunk cannot take such a prompt."""
+    target = threshold + max(64, threshold // 4)
+    if target > chunk:
+        return None
+    calibration = tp.calibrate(client, chunk, chat)
+    sentences = calibration.sentences_for(target)
+    reply = client.generate(tp.natural_prompt(sentences), 8, chat)
+    if not reply.ok:
+        raise StreamFailed(f"a prompt of ~{target} tokens: HTTP {reply.status} "
+                           f"{reply.error}".rstrip())
+    return reply.prompt_tokens or round(calibration.tokens(sentences))
 
 
 def cause(switches: Switches, fix_applied: bool) -> str:

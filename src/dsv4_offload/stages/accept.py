@@ -1,4 +1,5 @@
-"""Stage `accept`: health, coherent greedy probes, determinism, decode tok/s, server log.
+"""Stage `accept`: health, coherent greedy probes, determinism, the same probes after a prompt
+that streams (dynamic residency), decode tok/s, the probes again, the server log.
 
 Options: ``url`` (default: the supervised server, else serve.host:port), ``api``
 (native | openai), ``model`` (the name an OpenAI server wants), ``probes`` (a YAML file
@@ -20,6 +21,7 @@ from typing import Any
 
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
+from dsv4_offload.acceptance import residency as rs
 from dsv4_offload.acceptance import throughput as tp
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
@@ -104,17 +106,19 @@ def run(ctx: StageContext) -> StageResult:
                             else (acc.probes, acc.determinism_probe))
     log_path = _server_log(ctx, record, url)
     required, forbidden = _markers(ctx)
+    switches = _switches(ctx, record, url)
     client = pr.ServerClient(url, api, options.model, acc.request_timeout_s,
                              headers=auth_headers(ctx, record, url))
     quick = options.quick
     gate = not options.no_throughput_gate
     checks: list[Check] = []
     buckets: list[tp.Bucket] = []
+    streamed = 0  # the longest prompt accept sent, as the server counted it
     texts: dict[str, str] = {}
     notes: list[str] = []
     started = time.monotonic()
 
-    with ctx.task(f"accepting {url}", total=len(probe_list) + 4) as task:
+    with ctx.task(f"accepting {url}", total=2 * len(probe_list) + 5) as task:
         current = "health check"  # what a failure names
         try:
             for path in (OPENAI_HEALTH if api == "openai" else ctx.recipe.serve.health_paths):
@@ -147,6 +151,11 @@ def run(ctx: StageContext) -> StageResult:
                                             chat=any(p.chat for p in probe_list), task=task)
             checks.append(tp_check)
             notes += [f"bucket {b.target} skipped: {b.skipped}" for b in buckets if b.skipped]
+            if tp_check.ok is not False:  # the probes again, after prompts that streamed
+                after_checks, streamed = _after_long_prompts(ctx, client, probe_list, texts, buckets,
+                                                      switches, int(tp_check.data["chunk"]),
+                                                      task)
+                checks += after_checks
         else:
             checks.append(Check.verdict("decode throughput", None,
                                         "skipped: earlier checks failed"))
@@ -165,12 +174,72 @@ def run(ctx: StageContext) -> StageResult:
         if all(c.name != "server answers" for c in checks):
             checks.append(_still_answering(ctx, client, api, record))
         log_text = log_path.read_text(encoding="utf-8", errors="replace") if log_path else None
-        longest = max([b.prompt_tokens or 0 for b in buckets] + [0])
+        longest = max([b.prompt_tokens or 0 for b in buckets] + [streamed])
         required = [m for m in required if longest >= m.after_prompt_tokens]
         checks += pr.check_log_markers(log_text, required, forbidden, str(log_path))
         task.advance()
 
-    return _result(ctx, url, api, checks, buckets, log_path, notes, time.monotonic() - started)
+    return _result(ctx, url, api, checks, buckets, log_path, notes, time.monotonic() - started,
+                   switches)
+
+
+def _switches(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> rs.Switches:
+    """The residency switches of the server under test: its own environment where readable;
+    for this workspace's server, else the environment serve launches it with."""
+    mine = record is not None and record.url == url
+    pid = record.server_pid if mine and sv.record_alive(record) else None
+    return rs.server_switches(pid, _launch_env(ctx, rs.SWITCHES) if mine else None)
+
+
+def _launch_env(ctx: StageContext, keys: Any) -> dict[str, str]:
+    """The server's environment as the launcher builds it: the recipe's values, a knob the
+    user exported winning (launch_ds4flash_npu.sh's ${X:-default})."""
+    return {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
+
+
+def _after_long_prompts(ctx: StageContext, client: pr.ServerClient, probes: list[Probe],
+                        before: dict[str, str], buckets: list[tp.Bucket],
+                        switches: rs.Switches, chunk: int, task: Task
+                        ) -> tuple[list[Check], int]:
+    """The coherence probes again after the long prompts, and their answers against the
+    first ones: a prompt that streamed moved the resident experts (acceptance/residency.py),
+    which must not change a greedy answer. Without a bucket over the streaming threshold,
+    one prompt a little over it is sent first. Returns the checks and the longest prompt."""
+    acc = ctx.recipe.acceptance
+    threshold = switches.threshold
+    streamed = max([b.prompt_tokens or 0 for b in buckets] + [0])
+    skipped = None
+    try:
+        if streamed < threshold:
+            task.update(description="residency: a prompt that streams")
+            streamed_or_none = rs.stream_once(client, threshold, chunk,
+                                              any(p.chat for p in probes))
+            if streamed_or_none is None:
+                skipped = (f"skipped: the server's chunked prefill ({chunk} tokens) cannot "
+                           f"take a prompt over the streaming threshold {threshold}")
+            streamed = streamed_or_none or 0
+    except (rs.StreamFailed, tp.BucketFailed, pr.ServerUnreachable) as exc:
+        return [Check.verdict("answers survive a streamed prompt", False, str(exc),
+                              "the server failed under a prompt that streams: "
+                              "`dsv4-offload serve logs`")], streamed
+    checks, after = [], {}
+    for probe in probes:
+        task.update(description=f"the probe '{probe.name}' again")
+        try:
+            reply = client.generate(probe.prompt, probe.max_new_tokens, probe.chat)
+        except pr.ServerUnreachable as exc:
+            reply = pr.Reply(str(exc), 0, 0.0, error=str(exc))
+        after[probe.name] = reply.text
+        check = pr.check_probe(probe, reply, acc.degeneration)
+        check.name += " after the long prompts"
+        checks.append(check)
+        task.advance()
+    if skipped:
+        return [*checks, Check.verdict("answers survive a streamed prompt", None, skipped)
+                ], streamed
+    drift = rs.Drift(before, after, streamed or None)
+    return checks + rs.check_drift(drift, acc.residency.min_similarity, threshold, switches,
+                                   ctx.series.holds(rs.FIX_PATCH)), streamed
 
 
 def auth_headers(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> dict[str, str]:
@@ -194,14 +263,13 @@ def _markers(ctx: StageContext) -> tuple[list[LogMarker], list[LogMarker]]:
         except ValueError as exc:
             raise InputError(f"--require-line/--forbid-line: {str(exc).splitlines()[-1]}"
                              ) from None
-    # the server's environment as the launcher builds it: the recipe's values, a knob the
-    # user exported winning (launch_ds4flash_npu.sh's ${X:-default})
     keys = {k for m in [*acc.log_markers_required, *acc.log_markers_forbidden]
             for k in m.when_env}
-    env = {**ctx.recipe.serve.env, **{k: os.environ[k] for k in keys if k in os.environ}}
+    env = _launch_env(ctx, keys)
+    applied = {p.name for p in ctx.series.patches}  # a line only our own patch prints
     # the prompt lengths are known after the traffic: run() drops what they do not reach
-    return (pr.markers_that_apply(acc.log_markers_required, env, None),
-            pr.markers_that_apply(acc.log_markers_forbidden, env, None))
+    return (pr.markers_that_apply(acc.log_markers_required, env, None, applied),
+            pr.markers_that_apply(acc.log_markers_forbidden, env, None, applied))
 
 
 def server_chunk(info: dict[str, Any] | None, record: sv.ServeRecord | None,
@@ -401,7 +469,7 @@ def _server_log(ctx: StageContext, record: sv.ServeRecord | None, url: str) -> P
 
 def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
             buckets: list[tp.Bucket], log_path: Path | None, notes: list[str],
-            seconds: float) -> StageResult:
+            seconds: float, switches: rs.Switches) -> StageResult:
     acc = ctx.recipe.acceptance
     stamp = time.strftime("%Y%m%d-%H%M%S")
     report = ctx.workspace.reports_dir / f"accept-{stamp}.json"
@@ -430,12 +498,16 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
     summary = (f"{'FAILED' if hard else 'passed'}: {passed}/{len(checks)} checks"
                + (f", decode {tok_s} tok/s (reference {acc.throughput.reference_tok_s:g})"
                   if tok_s else "")
-               + (f"; first failure: {hard[0].name}: {hard[0].observed}" if hard else ""))
+               + (f"; first failure: {hard[0].name}: {hard[0].observed}" if hard else "")
+               # figures depend on these: the delivery's and ktransformers' were taken with
+               # other switches than each other
+               + f"; residency switches: {switches.shown()}")
     doc = {"schema": 1, "recipe": ctx.recipe.name, "url": url, "api": api, "when": now_iso(),
            "seconds": round(seconds, 1), "status": status.value, "summary": summary,
            "checks": [c.as_dict() for c in checks],
            "throughput": [b.as_dict() for b in buckets], "notes": notes,
            "reference_tok_s": acc.throughput.reference_tok_s,
+           "switches": {"values": switches.values, "source": switches.source},
            "log": str(log_path) if log_path else None, "chart": str(chart) if chart else None}
     atomic_write_json(report, doc)
     # provenance keeps the last verdict, passed or not: it is what a bug report needs
