@@ -100,7 +100,7 @@ def test_a_base_series_path_stays_relative_to_the_base(tmp_path: Path) -> None:
         RECIPE_910B.replace("series: dsv4-flash", "series: ./series.yaml"))
     child = overlay(tmp_path, "extends: base/base.yaml\nname: child\n")
     recipe, series = load_recipe_and_series(str(child))
-    assert series.name == "dsv4-flash" and len(series.patches) == 9
+    assert series.name == "dsv4-flash" and len(series.patches) == 10
 
 
 # (description, overlay text, expected text in the one-line error, needle of the line, file)

@@ -61,7 +61,7 @@ def test_the_registry_run_options_validate() -> None:
 def test_the_scheduler_jobs_validate_for_the_stages_it_hands_them() -> None:
     cpu = Budget(cores=8, build_jobs=6, convert_beside_build=2, convert_alone=4)
     for stage in STAGES:
-        given = {**jobs_for(stage.name, cpu, build_pending=True)}
+        given = {**jobs_for(stage, cpu, compile_pending=True)}
         if stage.streams:
             given["follow"] = True
         pipeline.stage_options(stage.name, given=given)
