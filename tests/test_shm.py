@@ -62,3 +62,28 @@ def test_only_old_unheld_segments_of_this_user_are_stale_and_cleared(segments: P
     assert left == [f"{found[1].path}: held by a running process now; left alone"]
     assert sorted(p.name for p in segments.iterdir()) == [
         "mapped-by-live", "newer", "open-by-live", "stale-b"]
+
+
+def test_serve_clean_shm_removes_the_stale_and_leaves_the_held(segments: Path, tmp_path: Path,
+                                                               cli) -> None:
+    env = {"DSV4_SHM_DIR": str(segments)}
+    res = cli("-w", str(tmp_path / "ws"), "serve", "--clean-shm", env=env)
+    assert res.code == 0, res
+    # no server runs in this workspace: every segment of ours held by no process is stale,
+    # the one written just now included
+    assert res.out.strip().splitlines()[-1] == (
+        f"serve --clean-shm: removed 3 stale segments (0.0 MiB) from {segments}")
+    assert sorted(p.name for p in segments.iterdir()) == ["mapped-by-live", "open-by-live"]
+    res = cli("-w", str(tmp_path / "ws"), "--json", "serve", "--clean-shm", env=env)
+    assert res.code == 0 and res.json()["data"]["removed"] == [], res
+
+
+def test_doctor_counts_the_stale_segments_with_the_way_to_clear_them(
+        segments: Path, tmp_path: Path) -> None:
+    started = time.time() - 60
+    row = shm.check(started, segments)
+    assert row.name == "shm" and row.status == "warn"
+    assert row.observed.startswith(f"2 stale shared-memory segments (0.0 MiB) in {segments}, "
+                                   "left by servers killed without SIGINT")
+    assert row.fix.startswith("`dsv4-offload serve --clean-shm` removes them")
+    assert shm.check(started, tmp_path / "empty").status == "ok"

@@ -47,8 +47,18 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
     from dsv4_offload.workspace.context import StageContext
 
     g = options_of(typer_ctx)
-    return StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
-                             progress=make_progress(g), stage=stage, verbose=g.verbose)
+    ctx = StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
+                            progress=make_progress(g), stage=stage, verbose=g.verbose)
+    warn_skipped_patches(ctx.series)
+    return ctx
+
+
+def warn_skipped_patches(series: Any) -> None:
+    """On stderr, once per command: each patch of our own the recipe leaves out, and what
+    serving without it risks."""
+    for line in series.skip_warnings():
+        sys.stderr.write(f"warning: {line}\n")
+    sys.stderr.flush()
 
 
 def make_progress(g: GlobalOptions) -> Any:

@@ -9,7 +9,7 @@ from typing import Any
 
 import typer
 
-from dsv4_offload.cli.kit import emit, load_context, options_of
+from dsv4_offload.cli.kit import emit, load_context, options_of, warn_skipped_patches
 
 recipe_app = typer.Typer(help="List, show and validate recipes and patch series.",
                          no_args_is_help=True)
@@ -79,8 +79,10 @@ def recipe_validate(
         line = f"{file}: valid series '{series.name}' ({len(series.patches)} patches)"
     else:
         recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
+        warn_skipped_patches(series)
         data = {"recipe": recipe.name, "file": str(recipe.file), "series": series.name,
-                "sources": len(recipe.sources), "patches": len(series.patches)}
+                "sources": len(recipe.sources), "patches": len(series.patches),
+                "left_out": [p.name for p in series.skipped]}
         line = (f"{recipe.file}: valid recipe '{recipe.name}' "
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")

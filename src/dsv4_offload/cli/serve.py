@@ -46,6 +46,9 @@ def serve(
         "--api-key (never printed, logged or stored)."),
     warm: bool = typer.Option(True, "--warm/--no-warm", help="Read the GGUF set into the page "
                               "cache before loading, when memory can hold it."),
+    clean_shm: bool = typer.Option(
+        False, "--clean-shm", help="Remove your /dev/shm segments that killed servers left "
+        "(older than the running server's start, held by no process); start nothing."),
 ) -> None:
     """Start the hybrid server, supervised, and wait until it answers.
 
@@ -78,6 +81,8 @@ def serve(
     if print_only:
         _print_plan(ctx, options)
         return
+    if clean_shm:
+        _clean_shm(ctx)
     if detach:
         kit.run_stage(ctx, "serve", options)
     _serve_foreground(ctx, options)
@@ -103,6 +108,28 @@ def _serve_foreground(ctx: typer.Context, options: ServeOptions) -> NoReturn:
         result = pipeline.dispatch_stage(sctx, "serve", options, standalone=True)
     kit.emit_result(ctx, "serve", result)
     kit.exit_with(kit.result_exit_code(result))
+
+
+def _clean_shm(ctx: typer.Context) -> NoReturn:
+    """Remove this user's stale /dev/shm segments, each checked again as held by no process
+    right before it goes; the server's own (newer than its start) are never touched."""
+    from dsv4_offload.serving import shm
+    from dsv4_offload.serving import supervisor as sv
+    from dsv4_offload.workspace.store import Workspace
+
+    ws = Workspace.from_option(kit.options_of(ctx).workspace)
+    before = shm.last_start(sv.read_record(ws.serve_record))
+    found = shm.stale_segments(before)
+    removed, left = shm.clear(found)
+    freed = sum(s.size for s in removed)
+    line = (f"serve --clean-shm: removed {len(removed)} stale segment"
+            f"{'s' if len(removed) != 1 else ''} ({freed / 2**20:.1f} MiB) from {shm.shm_dir()}"
+            + (f"; {len(left)} left" if left else ""))
+    kit.emit(ctx, command="serve --clean-shm", status="failed" if left else "ok",
+             data={"removed": [str(s.path) for s in removed], "left": left,
+                   "bytes_freed": freed, "dir": str(shm.shm_dir())},
+             lines=[*left, line])
+    kit.exit_with(ExitCode.FAILED if left else ExitCode.OK)
 
 
 def _print_plan(ctx: typer.Context, options: ServeOptions) -> None:

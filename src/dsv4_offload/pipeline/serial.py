@@ -93,6 +93,8 @@ def run_stage(ctx: StageContext, name: str,
         "name": ctx.recipe.name, "file": str(ctx.recipe.file or ""),
         "digest": model_digest(ctx.recipe), "series": ctx.series.name,
         "series_digest": model_digest(ctx.series),
+        # patches of our own the recipe leaves out (series_skip): what this build lacks
+        "series_left_out": [p.name for p in ctx.series.skipped],
     })
     return result
 

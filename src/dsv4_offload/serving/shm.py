@@ -12,9 +12,13 @@ removed, and a segment is checked again right before it goes.
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from dsv4_offload.core.results import Check, CheckStatus
 
 SHM_DIR = Path("/dev/shm")
 # where the segments live, for a test or a host whose tmpfs is elsewhere
@@ -22,8 +26,11 @@ SHM_DIR_ENV = "DSV4_SHM_DIR"
 PROC = Path("/proc")
 
 
-def shm_dir() -> Path:
-    return Path(os.environ.get(SHM_DIR_ENV) or SHM_DIR)
+def shm_dir(root: Path = Path("/")) -> Path:
+    """The segments' directory: DSV4_SHM_DIR, else /dev/shm under the host's root (a
+    captured host's, for doctor on DSV4_HOST_ROOT)."""
+    given = os.environ.get(SHM_DIR_ENV)
+    return Path(given) if given else root / SHM_DIR.relative_to("/")
 
 
 @dataclass(frozen=True)
@@ -98,3 +105,30 @@ def summary(segments: list[Segment], directory: Path | None = None) -> str:
     total = sum(s.size for s in segments)
     return (f"{len(segments)} stale shared-memory segment{'s' if len(segments) != 1 else ''} "
             f"({total / 2**20:.1f} MiB) in {directory or shm_dir()}")
+
+
+FIX = ("`dsv4-offload serve --clean-shm` removes them (never one a process holds); stop "
+       "servers with `serve stop` (SIGINT), which lets them remove their own")
+WHY = ("left by servers killed without SIGINT (the OOM killer, kill -9, a lost container); "
+       "thousands of them make streaming prefill segfault now and then "
+       "(kt_stream_prefill.py:230)")
+
+
+def last_start(record: object | None) -> float:
+    """When the workspace's server last started (epoch seconds; now when none runs): a
+    segment older than that belongs to no server of ours that still runs."""
+    from dsv4_offload.serving import supervisor as sv
+
+    if isinstance(record, sv.ServeRecord) and sv.record_alive(record):
+        with contextlib.suppress(ValueError):
+            return dt.datetime.fromisoformat(record.started).timestamp()
+    return time.time()
+
+
+def check(before: float, directory: Path | None = None) -> Check:
+    """doctor's row: this user's stale segments, counted."""
+    found = stale_segments(before, directory)
+    required = "no stale segments of this user"
+    if not found:
+        return Check("shm", CheckStatus.OK, f"none in {directory or shm_dir()}", required, "")
+    return Check("shm", CheckStatus.WARN, f"{summary(found, directory)}, {WHY}", required, FIX)

@@ -152,9 +152,9 @@ def run(ctx: StageContext) -> StageResult:
             checks.append(tp_check)
             notes += [f"bucket {b.target} skipped: {b.skipped}" for b in buckets if b.skipped]
             if tp_check.ok is not False:  # the probes again, after prompts that streamed
-                after_checks, streamed = _after_long_prompts(ctx, client, probe_list, texts, buckets,
-                                                      switches, int(tp_check.data["chunk"]),
-                                                      task)
+                after_checks, streamed = _after_long_prompts(
+                    ctx, client, probe_list, texts, buckets, switches,
+                    int(tp_check.data["chunk"]), task)
                 checks += after_checks
         else:
             checks.append(Check.verdict("decode throughput", None,

@@ -31,6 +31,8 @@ from dsv4_offload.core.host import (
 from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
+from dsv4_offload.serving import shm
+from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json
@@ -727,6 +729,9 @@ def run(ctx: StageContext) -> StageResult:
             checks.append(in_image(compiles, image) if image else compiles)
     if image and not os.environ.get(HOST_ROOT_ENV):
         checks = judged_in_the_image(ctx, checks)
+    if "serve" not in ctx.recipe.not_applicable:  # what killed servers left in /dev/shm
+        checks.append(shm.check(shm.last_start(sv.read_record(ctx.workspace.serve_record)),
+                                shm.shm_dir(Path(facts.root))))
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:

@@ -18,6 +18,7 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.serving import shm
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.cann import (
     atb_set_env,
@@ -201,6 +202,7 @@ def run(ctx: StageContext) -> StageResult:
         experts = int(plan.derived["kt_num_gpu_experts"])
         fraction = float(plan.derived["mem_fraction_static"])
         log = ctx.log_dir / f"server-{time.strftime('%Y%m%d-%H%M%S')}-{experts}.log"
+        started_at = time.time()
         outcome, server = _start_and_wait(ctx, plan, log, experts, detach)
         attempts.append({"kt_num_gpu_experts": experts, "mem_fraction_static": fraction,
                          "outcome": outcome.reason, "seconds": round(outcome.seconds, 1),
@@ -208,7 +210,7 @@ def run(ctx: StageContext) -> StageResult:
                          **({"fatal": outcome.fatal.key} if outcome.fatal else {})})
         if outcome.ready:
             _remember_rung(ctx, experts, attempts)
-            return _ready(ctx, plan, log, experts, attempts, server, remembered,
+            return _ready(ctx, plan, log, experts, attempts, server, started_at, remembered,
                           warmth)
         _stop_attempt(ctx, server)
         fatal = outcome.fatal
@@ -353,7 +355,7 @@ def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
 
 
 def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
-           attempts: list[dict[str, Any]], server: sv.ServerProcess | None,
+           attempts: list[dict[str, Any]], server: sv.ServerProcess | None, started_at: float,
            remembered: str | None = None, warmth: dict[str, Any] | None = None) -> StageResult:
     outputs = {"url": plan.url, "log": str(log), "kt_num_gpu_experts": experts,
                "attempts": attempts, "argv": plan.argv, "derived": plan.derived,
@@ -369,6 +371,12 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         problems.append(Problem("warning", f"page cache not warmed: {warmth['skipped_reason']}",
                                 fix="free memory (MemAvailable) for the GGUF set: loading "
                                 "reads it from disk instead", check="serve.page-cache"))
+    # segments older than this start that no process holds: servers killed without SIGINT
+    stale = shm.stale_segments(started_at)
+    outputs["stale_shm_segments"] = len(stale)
+    if stale:
+        problems.append(Problem("warning", f"{shm.summary(stale)}, {shm.WHY}", fix=shm.FIX,
+                                check="serve.shm"))
     if remembered:
         problems.append(Problem("info", remembered, check="serve.ladder"))
     if len(attempts) > 1:
