@@ -1,12 +1,13 @@
 """The weights lock: what each weight set's revision resolved to at download, and its base.
 
-Both sets follow moving revisions by default (`main` on the Hub, `master` on ModelScope).
-The first download records, per (hub, repo, revision), the commit it resolved to (the
-Hub's sha; ModelScope names no commit, so its listing digest stands in) and the base model
-its card and config name. A later run that would resolve the same revision differently is
-drift (a W8A8 set of one base with MXFP4 experts of another serves garbage without an
-error): the Hub's locked commit is fetched instead, with a warning; ModelScope's is refused,
-having no commit to ask for. The two sets' bases are compared before conversion.
+Both sets name a branch (`main` on the Hub, `master` on ModelScope) read as of a date
+(weights/history.py), or a full commit. The first download records, per (hub, repo,
+revision), the commit it resolved to, that commit's date and the base model its card and
+config name. A later run that would resolve the same revision differently is drift (a
+W8A8 set of one base with MXFP4 experts of another serves garbage without an error): the
+locked commit is fetched instead, with a warning. An entry of an older lock that holds a
+ModelScope listing digest instead of a commit stays readable: the same listing is the same
+state, and takes the commit. The two sets' bases are compared before conversion.
 """
 
 from __future__ import annotations
@@ -40,15 +41,21 @@ def key(hub: str, repo_id: str, revision: str) -> str:
 
 
 def identity(resolved: str | None, listing_digest: str) -> str:
-    """What a revision resolved to: the commit sha, else (ModelScope) the listing digest."""
+    """What a revision resolved to: the commit sha; the listing digest only where no commit
+    is known (hand-copied weights, and ModelScope entries of locks written before)."""
     return resolved or f"listing:{listing_digest}"
 
 
-def drift(entry: dict[str, Any] | None, now: str) -> str | None:
-    """The locked identity when ``now`` differs from it, else None."""
+def drift(entry: dict[str, Any] | None, resolved: str | None,
+          listing_digest: str) -> str | None:
+    """The locked identity when the state now differs from it, else None. An entry of an
+    older lock that holds a listing digest is the same state when the listing is."""
     if not isinstance(entry, dict) or not entry.get("identity"):
         return None
-    return None if entry["identity"] == now else str(entry["identity"])
+    held = str(entry["identity"])
+    if held.startswith("listing:") and not entry.get("resolved"):
+        return None if held == f"listing:{listing_digest}" else held
+    return None if held == identity(resolved, listing_digest) else held
 
 
 def base_model(local_dir: Path, repo_id: str, is_source: bool) -> dict[str, Any]:

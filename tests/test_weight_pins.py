@@ -1,0 +1,125 @@
+"""Weights every host resolves to the same bytes (issue 30): a branch read as of a date,
+through each hub's commit history, against a stand-in hub whose branches move."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+from standin_hub import StandinHub, isolate_clients, tiny_model_repo
+
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Status
+from dsv4_offload.recipe import load_recipe_and_series
+from dsv4_offload.stages import download
+from dsv4_offload.workspace.context import StageContext
+from dsv4_offload.workspace.store import Workspace
+
+W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
+MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
+TINY_BYTES = sum(len(d) for d in tiny_model_repo("x/y").files.values())
+SIZES = [f"weights.{w}.expected_bytes={TINY_BYTES}" for w in ("w8a8", "mxfp4")]
+# after the bundled recipes' not_after (2026-08-06): a V4.1 pushed on both branches
+LATER = dt.datetime(2026, 9, 1, 12, 0, tzinfo=dt.timezone.utc)
+
+
+@pytest.fixture(autouse=True)
+def _client_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    isolate_clients(tmp_path, monkeypatch)
+
+
+@pytest.fixture
+def hub():  # type: ignore[no-untyped-def]
+    repos = [tiny_model_repo(W8A8_REPO, commit="a" * 40),
+             tiny_model_repo(MXFP4_REPO, commit="1" * 40)]
+    with StandinHub(repos) as h:
+        yield h
+
+
+def make_ctx(root: Path, *sets: str, **options: object) -> StageContext:
+    recipe, series = load_recipe_and_series(None, [*SIZES, *sets])
+    return StageContext(recipe=recipe, series=series, workspace=Workspace(root),
+                        options=dict(options), stage="download")
+
+
+def lock(root: Path) -> dict:
+    return json.loads((root / "weights.lock.json").read_text())
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every weight file of a workspace, by its path under the workspace."""
+    files = sorted(p.relative_to(root) for p in (root / "weights").rglob("*") if p.is_file())
+    return {p.as_posix(): (root / p).read_bytes() for p in files
+            if not any(part.startswith(".") for part in p.parts)}
+
+
+def v41(files: dict[str, bytes]) -> dict[str, bytes]:
+    return {**files, "config.json": json.dumps(
+        {"model_type": "deepseek_v41", "num_hidden_layers": 3}).encode()}
+
+
+def test_two_hosts_a_month_apart_hold_the_same_commits_and_bytes(tmp_path: Path,
+                                                                hub: StandinHub) -> None:
+    first = download.run(make_ctx(tmp_path / "host1", endpoint=hub.url))
+    assert first.status is Status.OK, first.problems
+    old = {name: (repo.commit, dict(repo.files)) for name, repo in hub.repos.items()}
+    for name, repo in hub.repos.items():  # both branches move on after the delivery's date
+        repo.move_to(("b" if name == W8A8_REPO else "2") * 40, v41(repo.files), LATER)
+    hub.requests.clear()
+    second = download.run(make_ctx(tmp_path / "host2", endpoint=hub.url))
+    assert second.status is Status.OK, second.problems
+    one, two = lock(tmp_path / "host1"), lock(tmp_path / "host2")
+    for key in (f"huggingface:{MXFP4_REPO}@main", f"modelscope:{W8A8_REPO}@master"):
+        repo = key.split(":", 1)[1].rsplit("@", 1)[0]
+        assert one[key]["resolved"] == two[key]["resolved"] == old[repo][0]
+        assert two[key]["committed"] == "2026-07-01T08:00:00Z"
+        assert two[key]["not_after"] == "2026-08-06"
+    assert two[f"modelscope:{W8A8_REPO}@master"]["identity"] == "a" * 40  # a commit, no listing
+    assert tree(tmp_path / "host1") == tree(tmp_path / "host2")
+    assert b"deepseek_v41" not in b"".join(tree(tmp_path / "host2").values())
+    # fetched by commit, never by branch name, on both hubs
+    data = [r.path for r in hub.data_requests()]
+    assert any(f"/resolve/{'1' * 40}/" in p for p in data)
+    assert not any("/resolve/main/" in p for p in data)
+    assert any(f"Revision={'a' * 40}" in p for p in data)
+    assert not any("Revision=master" in p for p in data)
+
+
+def test_a_branch_without_a_date_rule_is_warned_about(tmp_path: Path, hub: StandinHub) -> None:
+    result = download.run(make_ctx(tmp_path, "weights.mxfp4.not_after=null", endpoint=hub.url,
+                                   which="mxfp4"))
+    (pin,) = [p for p in result.problems if p.check == "pin"]
+    assert pin.severity == "warning"
+    assert pin.message.startswith(f"mxfp4: {MXFP4_REPO}@main has no date rule: it resolved "
+                                  f"to the branch's head today ({'1' * 40}, ")
+    assert "weights.mxfp4.not_after" in pin.fix
+
+
+def test_a_full_commit_is_its_own_pin(tmp_path: Path, hub: StandinHub) -> None:
+    old = hub.repos[W8A8_REPO].commit
+    hub.repos[W8A8_REPO].move_to("b" * 40, v41(hub.repos[W8A8_REPO].files), LATER)
+    result = download.run(make_ctx(tmp_path, f"weights.w8a8.revision={old}", endpoint=hub.url,
+                                   which="w8a8"))
+    assert result.status is Status.WARN, result.problems  # only: mxfp4 not downloaded yet
+    assert not any(p.check in ("pin", "drift") for p in result.problems)
+    assert lock(tmp_path)[f"modelscope:{W8A8_REPO}@{old}"]["resolved"] == old
+
+
+def test_a_date_before_any_commit_is_one_line_naming_the_field(tmp_path: Path,
+                                                              hub: StandinHub) -> None:
+    with pytest.raises(InputError) as err:
+        download.run(make_ctx(tmp_path, "weights.mxfp4.not_after=2026-01-01", endpoint=hub.url,
+                              which="mxfp4"))
+    assert str(err.value).startswith(f"huggingface {MXFP4_REPO}@main has no commit at or "
+                                     "before 2026-01-01 (weights.*.not_after)")
+
+
+def test_the_date_rule_is_the_whole_day_in_utc(tmp_path: Path, hub: StandinHub) -> None:
+    repo = hub.repos[W8A8_REPO]
+    utc = dt.timezone.utc
+    repo.move_to("c" * 40, v41(repo.files), dt.datetime(2026, 8, 6, 23, 59, tzinfo=utc))
+    repo.move_to("d" * 40, v41(repo.files), dt.datetime(2026, 8, 7, 0, 0, tzinfo=utc))
+    assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8")).status is Status.WARN
+    assert lock(tmp_path)[f"modelscope:{W8A8_REPO}@master"]["resolved"] == "c" * 40
