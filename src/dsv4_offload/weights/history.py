@@ -8,10 +8,12 @@ to its head today, which is what a fleet must avoid (the download stage warns).
 
 The history comes from the hub clients, read at their installed versions:
 
-- Hugging Face: ``HfApi.list_repo_commits(repo_id, revision=...)`` (huggingface_hub 2.4.0,
-  hf_api.py:4184-4269): ``GET /api/models/{repo}/commits/{revision}``, newest first, paged
-  by the ``Link`` header (utils/_pagination.py:56), each item ``{"id", "authors": [{"user"}],
-  "date", "title", "message"}`` read into ``GitCommitInfo`` (hf_api.py:1489).
+- Hugging Face: ``HfApi.model_info`` (huggingface_hub 2.4.0, hf_api.py:3145; ``sha`` and
+  ``lastModified``, :916-918) names the head and its date; when the head is after the date,
+  ``HfApi.list_repo_commits(repo_id, revision=<head>)`` (hf_api.py:4184-4269):
+  ``GET /api/models/{repo}/commits/{revision}``, newest first, paged by the ``Link`` header
+  (utils/_pagination.py:56), each item ``{"id", "authors": [{"user"}], "date", "title",
+  "message"}`` read into ``GitCommitInfo`` (hf_api.py:1489).
 - ModelScope: modelscope 1.40.2 keeps the commit-history shapes, ``CommitHistoryResponse``
   (modelscope/utils/repo_utils.py:332-352: ``Data.Commit[]`` of ``DetailedCommitInfo``,
   :283-312, ``Id``, ``CommittedDate``...; ``TotalCount``), and ``ModelInfo.sha`` reads the
@@ -87,11 +89,10 @@ def resolve(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
         # ModelScope's history is asked by branch; a full commit is its own answer (the
         # listing at it proves it exists)
         return Commit(revision)
-    commits = _history(hub, repo_id, revision, endpoint)
-    found = newest_before(commits, None if HEX40.match(revision) else not_after)
+    date = None if HEX40.match(revision) else not_after
+    found = newest_before(_history(hub, repo_id, revision, date, endpoint), date)
     if found is None:
-        rule = f"at or before {not_after.isoformat()} (weights.*.not_after)" if not_after \
-            else "at all"
+        rule = f"at or before {date.isoformat()} (weights.*.not_after)" if date else "at all"
         raise InputError(
             f"{hub} {repo_id}@{revision} has no commit {rule}; fix weights.*.revision or "
             "weights.*.not_after in the recipe")
@@ -103,16 +104,17 @@ def head(hub: str, repo_id: str, revision: str, endpoint: str) -> Commit:
     return resolve(hub, repo_id, revision, None, endpoint)
 
 
-def _history(hub: str, repo_id: str, revision: str,
+def _history(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
              endpoint: str) -> Iterable[tuple[str, dt.datetime | None, str]]:
+    """Commits of ``revision``, newest first; on the Hub, only as far as the rule needs."""
     if hub == "huggingface":
-        return _huggingface(repo_id, revision, endpoint)
+        return _huggingface(repo_id, revision, not_after, endpoint)
     if hub == "modelscope":
         return _modelscope(repo_id, revision, endpoint)
     raise InputError(f"unknown hub '{hub}'; use one of {list(hubs.HUBS)}")
 
 
-def _huggingface(repo_id: str, revision: str,
+def _huggingface(repo_id: str, revision: str, not_after: dt.date | None,
                  endpoint: str) -> list[tuple[str, dt.datetime | None, str]]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import (
@@ -121,8 +123,17 @@ def _huggingface(repo_id: str, revision: str,
         RevisionNotFoundError,
     )
 
+    api = HfApi(endpoint=endpoint)
     try:
-        commits = HfApi(endpoint=endpoint).list_repo_commits(repo_id, revision=revision)
+        # one plain request first: the head and its date often answer alone, and a hub that
+        # cannot be reached fails here at once (the history's pager retries for ~20 s)
+        info = api.model_info(repo_id, revision=revision)
+        if not info.sha:
+            raise ValueError(f"model info of {repo_id}@{revision} has no commit sha")
+        if not_after is None or (info.last_modified is not None
+                                 and info.last_modified < cutoff(not_after)):
+            return [(info.sha, info.last_modified, "")]
+        commits = api.list_repo_commits(repo_id, revision=info.sha)
     except RevisionNotFoundError:
         raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
                          "weights.*.revision in the recipe") from None

@@ -304,6 +304,10 @@ def client_output_to(log: Path) -> Iterator[None]:
             return redact(super().format(record))
 
     open_private_log(log).close()  # 0600 before the handler appends to it
+    # huggingface_hub gives its logger a stderr handler when first imported
+    # (utils/logging.py:179): import it before the swap, or that handler comes back
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils.logging  # noqa: F401
     handler = logging.FileHandler(log, encoding="utf-8")
     handler.setFormatter(Redacting("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
