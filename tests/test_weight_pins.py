@@ -123,3 +123,61 @@ def test_the_date_rule_is_the_whole_day_in_utc(tmp_path: Path, hub: StandinHub) 
     repo.move_to("d" * 40, v41(repo.files), dt.datetime(2026, 8, 7, 0, 0, tzinfo=utc))
     assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8")).status is Status.WARN
     assert lock(tmp_path)[f"modelscope:{W8A8_REPO}@master"]["resolved"] == "c" * 40
+
+
+# --- the pair: what the W8A8 set says about its base, against the MXFP4 commit -------------
+
+
+def card(revision: str) -> bytes:
+    return (f"---\nbase_model: {MXFP4_REPO}\nbase_model_revision: {revision}\n---\n"
+            "# W8A8\n").encode()
+
+
+def test_a_w8a8_quantised_from_another_base_revision_is_refused(tmp_path: Path,
+                                                                hub: StandinHub) -> None:
+    hub.repos[W8A8_REPO].files["README.md"] = card("9f" * 20)
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.FAILED
+    (pair,) = [p for p in result.problems if p.check == "pair"]
+    assert pair.severity == "error"
+    assert pair.message.startswith(
+        f"the weight sets are not one model: the W8A8 set (commit {'a' * 40} of "
+        f"2026-07-01T08:00:00Z) was quantised from base revision {'9f' * 20} (README.md "
+        f"base_model_revision), the MXFP4 set is commit {'1' * 40} of 2026-07-01T08:00:00Z")
+    assert result.outputs == {}  # convert cannot start
+    entry = lock(tmp_path)[f"modelscope:{W8A8_REPO}@master"]["base_model"]
+    assert entry["revision"] == "9f" * 20
+
+
+def test_a_w8a8_naming_the_mxfp4_commit_as_its_base_passes(tmp_path: Path,
+                                                          hub: StandinHub) -> None:
+    hub.repos[W8A8_REPO].files["README.md"] = card("1" * 12)  # an abbreviated sha will do
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+    assert not any(p.check == "pair" for p in result.problems)
+
+
+def test_an_unstated_base_is_warned_about_when_the_w8a8_is_older(tmp_path: Path,
+                                                                hub: StandinHub) -> None:
+    repo = hub.repos[MXFP4_REPO]
+    repo.move_to("3" * 40, dict(repo.files), dt.datetime(2026, 7, 20, tzinfo=dt.timezone.utc))
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.WARN, result.problems
+    (pair,) = [p for p in result.problems if p.check == "pair"]
+    assert pair.severity == "warning"
+    assert pair.message == (
+        f"the W8A8 set (commit {'a' * 40} of 2026-07-01T08:00:00Z) states no base revision "
+        f"and is older than the MXFP4 set (commit {'3' * 40} of 2026-07-20T00:00:00Z): it "
+        "cannot have been quantised from these MXFP4 weights unless they did not change in "
+        "between")
+
+
+def test_an_unstated_base_of_a_later_w8a8_is_a_note_naming_both(tmp_path: Path,
+                                                               hub: StandinHub) -> None:
+    result = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert result.status is Status.OK, result.problems
+    (pair,) = [p for p in result.problems if p.check == "pair"]
+    assert pair.severity == "info"
+    assert f"commit {'a' * 40} of 2026-07-01T08:00:00Z" in pair.message
+    assert f"commit {'1' * 40} of 2026-07-01T08:00:00Z" in pair.message
+    assert "cannot be known" in pair.message

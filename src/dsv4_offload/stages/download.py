@@ -36,7 +36,7 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.host import nearest_existing
 from dsv4_offload.core.options import StageOptions
-from dsv4_offload.core.results import Problem, StageResult, Status
+from dsv4_offload.core.results import Problem, Severity, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import downloads, history, hubs
 from dsv4_offload.weights import weightlock as wlock
@@ -189,9 +189,11 @@ def run(ctx: StageContext) -> StageResult:
     data = {r.name: _report_data(ctx, r) for r in reports}
     outputs = _outputs(ctx, reports)
     pair = _pair_problem(ctx, locked)
-    if pair is not None:
+    if pair is not None and pair.severity == "error":
         return StageResult(Status.FAILED, pair.message.split(";")[0], data=data,
                            problems=[*problems, pair], log=str(log.path))
+    if pair is not None:
+        problems.append(pair)
     if not all(r.ok for r in reports):
         bad = [r.name for r in reports if not r.ok]
         return StageResult(Status.FAILED, f"weights not complete: {', '.join(bad)}", data=data,
@@ -246,23 +248,29 @@ def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
 
 
 def _pair_problem(ctx: StageContext, doc: dict[str, Any]) -> Problem | None:
-    """The two sets' base models, as locked for the recipe's repos and revisions, compared."""
-    bases = {}
+    """The two sets, as locked for the recipe's repos and revisions, judged as a pair: their
+    base models, and the base revision the W8A8 set states against the MXFP4 commit."""
+    entries = {}
     for name in WEIGHT_SETS:
         spec = getattr(ctx.recipe.weights, name)
         entry = doc.get(wlock.key(spec.hub, spec.repo_id, spec.revision))
         if isinstance(entry, dict) and isinstance(entry.get("base_model"), dict):
-            bases[name] = entry["base_model"]
-    if len(bases) < 2:
+            entries[name] = entry
+    if len(entries) < 2:
         return None
-    why = wlock.mismatch(bases["w8a8"], bases["mxfp4"])
-    if why is None:
+    verdict = wlock.pair_verdict(entries["w8a8"], entries["mxfp4"])
+    if verdict is None:
         return None
-    return Problem("error", f"the weight sets are not one model: {why}; refused before "
-                   "conversion (the server would answer garbage with no error)",
-                   fix="use the official W8A8 of this exact model (brief: it shares the "
-                   "quarot base with the MXFP4 experts): pin both weights.*.revision to "
-                   "matching releases", check="pair")
+    severity, why = verdict
+    if severity == "error":
+        return Problem("error", f"the weight sets are not one model: {why}; refused before "
+                       "conversion (the server would answer garbage with no error)",
+                       fix="use the official W8A8 of this exact model (brief: it shares the "
+                       "quarot base with the MXFP4 experts): pin both weights.*.revision to "
+                       "matching releases", check="pair")
+    return Problem(Severity(severity), why,
+                   fix="check the W8A8 card on its hub for the base revision it was quantised "
+                   "from, and pin weights.mxfp4.revision to that commit", check="pair")
 
 
 def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:

@@ -60,24 +60,82 @@ def drift(entry: dict[str, Any] | None, resolved: str | None,
 
 def base_model(local_dir: Path, repo_id: str, is_source: bool) -> dict[str, Any]:
     """The base model a set says it comes from: its card's `base_model:` front matter, else
-    config.json's `_name_or_path`, else (the native checkpoint) its own repo; and the config
-    fields that define the model's shape."""
+    config.json's `_name_or_path`, else (the native checkpoint) its own repo; the base
+    revision where the set states one; and the config fields that define the model's shape."""
     config = _json(local_dir / "config.json")
-    name, source = _card_base(local_dir / "README.md"), "README.md base_model"
+    card = _card_meta(local_dir / "README.md")
+    name, source = _card_base(card), "README.md base_model"
     if not name and isinstance(config.get("_name_or_path"), str) \
             and "/" in config["_name_or_path"]:
         name, source = config["_name_or_path"], "config.json _name_or_path"
     if not name and is_source:
         name, source = repo_id, "the repository itself (the native checkpoint)"
+    revision, revision_source = (None, None) if is_source else _stated_revision(card, config)
     signature = {k: config[k] for k in SIGNATURE_KEYS if k in config}
     return {"name": name or None, "source": source if name else "not stated",
+            "revision": revision, "revision_source": revision_source,
             "signature": signature}
+
+
+def _stated_revision(card: dict[str, Any], config: dict[str, Any]) -> tuple[Any, str | None]:
+    """The base revision a quantised set states: its card's `base_model_revision`, a
+    `base_model: NAME@REV`, or config.json's `_commit_hash` (what transformers records of
+    the checkpoint it loaded); (None, None) when it states none."""
+    value = card.get("base_model_revision")
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)  # YAML reads a sha of digits alone as a number
+    if isinstance(value, str) and value.strip():
+        return value.strip(), "README.md base_model_revision"
+    named = _card_base(card)
+    if named and "@" in named:
+        return named.rsplit("@", 1)[1], "README.md base_model NAME@REV"
+    value = config.get("_commit_hash")
+    if isinstance(value, str) and value.strip():
+        return value.strip(), "config.json _commit_hash"
+    return None, None
+
+
+def pair_verdict(w8a8: dict[str, Any], mxfp4: dict[str, Any]) -> tuple[str, str] | None:
+    """(severity, why) for the two sets' lock entries as a pair, None when they agree.
+
+    An error when the W8A8 set is known to come from another base: another model, another
+    shape, or a stated base revision that is not the MXFP4 commit. Where the base revision
+    is not stated it cannot be known: a warning when the W8A8 commit is older than the
+    MXFP4 one (it was made before those weights existed), a note otherwise; both name the
+    two commits and their dates.
+    """
+    wb, mb = w8a8.get("base_model") or {}, mxfp4.get("base_model") or {}
+    why = mismatch(wb, mb)
+    if why is not None:
+        return "error", why
+    w_at, m_at = _commit_text(w8a8), _commit_text(mxfp4)
+    stated, commit = wb.get("revision"), mxfp4.get("resolved")
+    if isinstance(stated, str) and re.fullmatch(r"[0-9a-f]{7,40}", stated.lower()) \
+            and isinstance(commit, str):
+        if commit.startswith(stated.lower()):
+            return None
+        return "error", (f"the W8A8 set ({w_at}) was quantised from base revision {stated} "
+                         f"({wb.get('revision_source')}), the MXFP4 set is {m_at}")
+    said = f"names base revision '{stated}', not a commit" if stated else \
+        "states no base revision"
+    w_date, m_date = w8a8.get("committed"), mxfp4.get("committed")
+    if isinstance(w_date, str) and isinstance(m_date, str) and w_date < m_date:
+        return "warning", (f"the W8A8 set ({w_at}) {said} and is older than the MXFP4 set "
+                           f"({m_at}): it cannot have been quantised from these MXFP4 weights "
+                           "unless they did not change in between")
+    return "info", (f"the W8A8 set ({w_at}) {said}, so whether it was quantised from the MXFP4 "
+                    f"set ({m_at}) cannot be known; by their dates it can have been")
+
+
+def _commit_text(entry: dict[str, Any]) -> str:
+    return f"commit {entry.get('resolved') or entry.get('identity') or '?'} of " \
+        f"{entry.get('committed') or 'an unknown date'}"
 
 
 def mismatch(w8a8: dict[str, Any], mxfp4: dict[str, Any]) -> str | None:
     """Why the two sets are not one model, or None when nothing tells them apart."""
     a, b = w8a8.get("name"), mxfp4.get("name")
-    if a and b and _norm(a) != _norm(b):
+    if a and b and _norm(a).split("@")[0] != _norm(b).split("@")[0]:
         return (f"the W8A8 set names base model {a} ({w8a8.get('source')}), the MXFP4 set is "
                 f"{b} ({mxfp4.get('source')})")
     sa, sb = w8a8.get("signature") or {}, mxfp4.get("signature") or {}
@@ -103,22 +161,27 @@ def _json(path: Path) -> dict[str, Any]:
 _FRONT = re.compile(r"\A---\s*\n(.*?)\n---\s*\n", re.S)
 
 
-def _card_base(readme: Path) -> str | None:
-    """`base_model:` from a model card's YAML front matter (a string or the first item)."""
+def _card_meta(readme: Path) -> dict[str, Any]:
+    """A model card's YAML front matter ({} when there is none or it does not parse)."""
     try:
         text = readme.read_text(encoding="utf-8", errors="replace")
     except OSError:
-        return None
+        return {}
     front = _FRONT.match(text)
     if not front:
-        return None
+        return {}
     import yaml
 
     try:
         meta = yaml.safe_load(front.group(1))
     except yaml.YAMLError:
-        return None
-    value = meta.get("base_model") if isinstance(meta, dict) else None
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _card_base(meta: dict[str, Any]) -> str | None:
+    """`base_model:` of a card's front matter (a string or the first item)."""
+    value = meta.get("base_model")
     if isinstance(value, list) and value:
         value = value[0]
     return value.strip() if isinstance(value, str) and value.strip() else None
