@@ -109,3 +109,27 @@ def test_ctrl_c_mid_file_then_rerun_resumes(tmp_path: Path, env: dict[str, str])
         assert target.read_bytes() == repo.files[big]
         ranges = [r.range for r in hub.data_requests() if big in r.path]
         assert ranges == [f"bytes={kept}-"]
+
+
+def test_status_says_when_a_branch_moved_past_the_lock(tmp_path: Path,
+                                                        env: dict[str, str]) -> None:
+    import datetime as dt
+
+    ws = str(tmp_path / "ws")
+    repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
+    with StandinHub(repos) as hub:
+        hubs = ["--endpoint", f"huggingface={hub.url}", "--endpoint", f"modelscope={hub.url}"]
+        assert run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env).code == 0
+        quiet = run_cli("--workspace", ws, *SIZES, "--json", "status", env=env)
+        assert quiet.json()["data"]["weights_moved"] == []
+        hub.repos[W8A8_REPO].move_to("b" * 40, dict(hub.repos[W8A8_REPO].files),
+                                     dt.datetime(2026, 10, 1, tzinfo=dt.timezone.utc))
+        again = run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env)
+        assert again.code == 0, again  # the date rule holds: nothing to fetch
+        hub.stop()  # status asks no hub
+        status = run_cli("--workspace", ws, *SIZES, "status", env=env)
+    assert status.code == 0, status
+    line = next(x for x in status.out.splitlines() if x.startswith("weights:"))
+    assert f"w8a8: {W8A8_REPO}@master has moved past the lock: its head was {'b' * 40} " \
+        "(2026-10-01T00:00:00Z)" in line
+    assert f"the lock holds {'a' * 40} (2026-07-01T08:00:00Z)" in line

@@ -55,6 +55,12 @@ def tree(root: Path) -> dict[str, bytes]:
             if not any(part.startswith(".") for part in p.parts)}
 
 
+def checkpoint_0731(files: dict[str, bytes]) -> dict[str, bytes]:
+    """A later checkpoint of the same model: same shape, other weights."""
+    return {**files, "config.json": json.dumps(
+        {"model_type": "deepseek_v4", "num_hidden_layers": 2, "checkpoint": "0731"}).encode()}
+
+
 def v41(files: dict[str, bytes]) -> dict[str, bytes]:
     return {**files, "config.json": json.dumps(
         {"model_type": "deepseek_v41", "num_hidden_layers": 3}).encode()}
@@ -181,3 +187,75 @@ def test_an_unstated_base_of_a_later_w8a8_is_a_note_naming_both(tmp_path: Path,
     assert f"commit {'a' * 40} of 2026-07-01T08:00:00Z" in pair.message
     assert f"commit {'1' * 40} of 2026-07-01T08:00:00Z" in pair.message
     assert "cannot be known" in pair.message
+
+
+# --- one lock for a fleet; moving on deliberately; status -----------------------------------
+
+FLOATING = ["weights.w8a8.not_after=null", "weights.mxfp4.not_after=null"]
+
+
+def test_a_fleet_shares_one_lock_even_with_floating_branches(tmp_path: Path,
+                                                            hub: StandinHub) -> None:
+    assert download.run(make_ctx(tmp_path / "host1", *FLOATING, endpoint=hub.url)).status \
+        is Status.WARN  # floating: warned about
+    shared = tmp_path / "host1" / "weights.lock.json"
+    for name, repo in hub.repos.items():
+        repo.move_to(("b" if name == W8A8_REPO else "2") * 40, v41(repo.files))
+    second = download.run(make_ctx(tmp_path / "host2", *FLOATING, endpoint=hub.url,
+                                   lock=str(shared)))
+    assert second.status is Status.WARN, second.problems
+    assert {p.check for p in second.problems if p.severity == "warning"} == {"pin", "drift"}
+    one, two = lock(tmp_path / "host1"), lock(tmp_path / "host2")
+    for key in one:
+        assert one[key]["resolved"] == two[key]["resolved"]
+        assert two[key]["from_lock"] == str(shared)
+    assert tree(tmp_path / "host1") == tree(tmp_path / "host2")
+
+
+def test_a_shared_lock_without_the_set_is_one_line(tmp_path: Path, hub: StandinHub) -> None:
+    shared = tmp_path / "fleet.json"
+    shared.write_text("{}")
+    with pytest.raises(InputError) as err:
+        download.run(make_ctx(tmp_path / "ws", endpoint=hub.url, which="mxfp4", lock=str(shared)))
+    assert str(err.value) == (
+        f"--lock {shared}: no commit for 'huggingface:{MXFP4_REPO}@main' (the recipe's mxfp4 "
+        "set); export the lock of a host that downloaded this recipe with this version, or "
+        "download that set without --lock")
+    shared.write_text("[1")
+    with pytest.raises(InputError, match=r"^--lock .*fleet.json: not JSON"):
+        download.run(make_ctx(tmp_path / "ws", endpoint=hub.url, which="mxfp4", lock=str(shared)))
+
+
+def test_update_moves_the_lock_saying_from_what_to_what(tmp_path: Path,
+                                                        hub: StandinHub) -> None:
+    first = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert first.status is Status.OK, first.problems
+    repo = hub.repos[MXFP4_REPO]
+    repo.move_to("2" * 40, checkpoint_0731(repo.files), LATER)
+    # the date rule holds: nothing moves, and the lock says the branch went past it
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url))
+    assert again.status is Status.OK, again.problems
+    from dsv4_offload.weights import weightlock
+
+    moved = weightlock.moved_past(lock(tmp_path), {"mxfp4": ("huggingface", MXFP4_REPO, "main")})
+    seen = lock(tmp_path)[f"huggingface:{MXFP4_REPO}@main"]["head"]["seen"]
+    assert moved == [
+        f"mxfp4: {MXFP4_REPO}@main has moved past the lock: its head was {'2' * 40} "
+        f"(2026-09-01T12:00:00Z) when seen {seen}, "
+        f"the lock holds {'1' * 40} (2026-07-01T08:00:00Z); to move on, change "
+        "weights.mxfp4.not_after and run `dsv4-offload download --update mxfp4`"]
+    # moving on deliberately: a later date, and --update
+    update = download.run(make_ctx(tmp_path, "weights.mxfp4.not_after=2026-09-30",
+                                   endpoint=hub.url, which="mxfp4", update="mxfp4"))
+    assert update.status is Status.WARN, update.problems
+    (line,) = [p for p in update.problems if p.check == "update"]
+    assert line.message == (
+        f"mxfp4: huggingface:{MXFP4_REPO}@main moved from {'1' * 40} (2026-07-01T08:00:00Z) "
+        f"to {'2' * 40} (2026-09-01T12:00:00Z); the stages that read these weights are stale "
+        "(convert, verify-gguf, serve: `dsv4-offload status` names them)")
+    assert not any(p.check == "drift" for p in update.problems)
+    assert update.outputs["mxfp4"]["resolved"] == "2" * 40  # convert's fingerprint reads it
+    assert (tmp_path / "weights" / "DeepSeek-V4-Flash" / "config.json").read_bytes() == \
+        repo.files["config.json"]
+    assert weightlock.moved_past(lock(tmp_path),
+                                 {"mxfp4": ("huggingface", MXFP4_REPO, "main")}) == []

@@ -36,7 +36,7 @@ from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.host import nearest_existing
 from dsv4_offload.core.options import StageOptions
-from dsv4_offload.core.results import Problem, Severity, StageResult, Status
+from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
 from dsv4_offload.weights import downloads, history, hubs
 from dsv4_offload.weights import weightlock as wlock
@@ -58,6 +58,8 @@ class DownloadOptions(StageOptions):
     local_dir_only: bool = False  # no traffic: check what is on disk
     repair: bool = False  # fetch again the files whose digest failed
     streams: int | None = None  # files at once (default: weights.streams)
+    lock: str | None = None  # a weights lock to share (another host's weights.lock.json)
+    update: str | None = None  # one weight set whose lock entry moves to today's resolution
 
 
 Options = DownloadOptions
@@ -78,7 +80,9 @@ class SetReport:
     extra: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     moved_to: str | None = None  # drift: the commit the revision moved to (not fetched)
+    updated_from: dict[str, Any] | None = None  # --update: the lock entry before
     commit: history.Commit | None = None  # what the revision resolved to through the history
+    head: history.Commit | None = None  # where the branch points today (status reads it)
 
     @property
     def ok(self) -> bool:
@@ -181,14 +185,30 @@ def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     stall_seconds()  # a bad value is refused before any traffic
     streams(ctx)
+    options = ctx.options_as(DownloadOptions)
+    if options.update is not None and options.update not in sets:
+        raise InputError(f"download --update {options.update}: give a weight set this run "
+                         f"downloads ({', '.join(sets)})")
+    if options.update is not None and options.lock is not None:
+        raise InputError("download: --update moves this workspace's lock, --lock takes another "
+                         "one; give one of them")
     log = DownloadLog(ctx.log_dir / "download.log")
+    if options.lock is not None:  # a fleet's lock: its commits become this workspace's
+        taken = wlock.adopt_file(Path(options.lock), wlock.lock_path(ctx.workspace.root),
+                                 {n: _spec_key(ctx, n) for n in sets})
+        log.write(f"lock: took {', '.join(taken)} from {options.lock}")
     with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
     locked = _lock(ctx, reports)
+    for r in reports:
+        if r.updated_from is not None and r.ok:
+            r.problems.append(wlock.update_problem(r.name, _spec_key(ctx, r.name),
+                                                  r.updated_from, locked))
     problems = [p for r in reports for p in r.problems]
     data = {r.name: _report_data(ctx, r) for r in reports}
     outputs = _outputs(ctx, reports)
-    pair = _pair_problem(ctx, locked)
+    pair = wlock.pair_problem(locked.get(_spec_key(ctx, "w8a8")),
+                              locked.get(_spec_key(ctx, "mxfp4")))
     if pair is not None and pair.severity == "error":
         return StageResult(Status.FAILED, pair.message.split(";")[0], data=data,
                            problems=[*problems, pair], log=str(log.path))
@@ -211,6 +231,12 @@ def run(ctx: StageContext) -> StageResult:
         summary += f" ({fetched / GIB:.2f} GiB fetched)"
     return StageResult(status, summary, data=data, problems=problems, outputs=outputs,
                        log=str(log.path))
+
+
+def _spec_key(ctx: StageContext, name: str) -> str:
+    """The lock's key of the recipe's weight set ``name``."""
+    spec = getattr(ctx.recipe.weights, name)
+    return wlock.key(spec.hub, spec.repo_id, spec.revision)
 
 
 def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
@@ -240,37 +266,17 @@ def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
             "locked": (old.get("locked") if same or r.moved_to else None) or now_iso(),
             # drift: where the revision points now, while the locked commit was fetched
             **({"revision_moved_to": r.moved_to} if r.moved_to else {}),
+            # a fleet's lock (--lock FILE) this entry came from
+            **({"from_lock": old["from_lock"]} if old.get("from_lock") and (same or r.moved_to)
+               else {}),
+            # the branch's head as last seen, for `status` (which never asks the hub)
+            **({"head": {"commit": r.head.sha, "committed": r.head.date, "seen": now_iso()}}
+               if r.head else {}),
             "base_model": wlock.base_model(ctx.workspace.weights_dir(ctx.recipe, r.name),
                                            spec.repo_id, is_source=r.name == "mxfp4")}
     if any(r.ok for r in reports):
         atomic_write_json(path, doc)
     return doc
-
-
-def _pair_problem(ctx: StageContext, doc: dict[str, Any]) -> Problem | None:
-    """The two sets, as locked for the recipe's repos and revisions, judged as a pair: their
-    base models, and the base revision the W8A8 set states against the MXFP4 commit."""
-    entries = {}
-    for name in WEIGHT_SETS:
-        spec = getattr(ctx.recipe.weights, name)
-        entry = doc.get(wlock.key(spec.hub, spec.repo_id, spec.revision))
-        if isinstance(entry, dict) and isinstance(entry.get("base_model"), dict):
-            entries[name] = entry
-    if len(entries) < 2:
-        return None
-    verdict = wlock.pair_verdict(entries["w8a8"], entries["mxfp4"])
-    if verdict is None:
-        return None
-    severity, why = verdict
-    if severity == "error":
-        return Problem("error", f"the weight sets are not one model: {why}; refused before "
-                       "conversion (the server would answer garbage with no error)",
-                       fix="use the official W8A8 of this exact model (brief: it shares the "
-                       "quarot base with the MXFP4 experts): pin both weights.*.revision to "
-                       "matching releases", check="pair")
-    return Problem(Severity(severity), why,
-                   fix="check the W8A8 card on its hub for the base revision it was quantised "
-                   "from, and pin weights.mxfp4.revision to that commit", check="pair")
 
 
 def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
@@ -394,8 +400,8 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         log.write(f"{name}: resolving {spec.hub} {spec.repo_id}@{spec.revision}{rule} at "
                   f"{endpoint}")
         try:
-            report.commit = history.resolve(spec.hub, spec.repo_id, spec.revision,
-                                            spec.not_after, endpoint)
+            report.commit, report.head = history.resolve(spec.hub, spec.repo_id,
+                                                         spec.revision, spec.not_after, endpoint)
             log.write(f"{name}: {spec.revision}{rule} is commit {report.commit.sha} of "
                       f"{report.commit.date or 'an unknown date'}; listing it")
             listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision,
@@ -420,6 +426,9 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
                 check="pin"))
         locked = wlock.read_lock(wlock.lock_path(ctx.workspace.root)).get(
             wlock.key(spec.hub, spec.repo_id, spec.revision))
+        if options.update == name:  # moving on deliberately: today's resolution wins
+            report.updated_from = locked if isinstance(locked, dict) else {}
+            locked = None
         was = wlock.drift(locked, listing.resolved, listing.digest())
         if was is not None and locked is not None:
             pinned = _locked_listing(ctx, name, listing, locked, was, endpoint, report, log)

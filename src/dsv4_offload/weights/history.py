@@ -28,6 +28,7 @@ The history comes from the hub clients, read at their installed versions:
 from __future__ import annotations
 
 import datetime as dt
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -83,25 +84,26 @@ def newest_before(commits: Iterable[tuple[str, dt.datetime | None, str]],
 
 
 def resolve(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
-            endpoint: str) -> Commit:
-    """The commit ``revision`` names under the date rule, through the hub's history."""
-    if hub == "modelscope" and HEX40.match(revision):
-        # ModelScope's history is asked by branch; a full commit is its own answer (the
-        # listing at it proves it exists)
-        return Commit(revision)
-    date = None if HEX40.match(revision) else not_after
-    found = newest_before(_history(hub, repo_id, revision, date, endpoint), date)
-    if found is None:
-        rule = f"at or before {date.isoformat()} (weights.*.not_after)" if date else "at all"
+            endpoint: str) -> tuple[Commit, Commit | None]:
+    """The commit ``revision`` names under the date rule, through the hub's history, and
+    the branch's head today (None for a full commit, which has no head to move)."""
+    if HEX40.match(revision):
+        if hub == "modelscope":
+            # ModelScope's history is asked by branch; a full commit is its own answer
+            # (the listing at it proves it exists)
+            return Commit(revision), None
+        not_after = None
+    rows = iter(_history(hub, repo_id, revision, not_after, endpoint))
+    first = next(rows, None)
+    found = newest_before(itertools.chain([first], rows), not_after) if first else None
+    if first is None or found is None:
+        rule = f"at or before {not_after.isoformat()} (weights.*.not_after)" if not_after \
+            else "at all"
         raise InputError(
             f"{hub} {repo_id}@{revision} has no commit {rule}; fix weights.*.revision or "
             "weights.*.not_after in the recipe")
-    return found
-
-
-def head(hub: str, repo_id: str, revision: str, endpoint: str) -> Commit:
-    """Where ``revision`` points today (its newest commit)."""
-    return resolve(hub, repo_id, revision, None, endpoint)
+    head = None if HEX40.match(revision) else Commit(first[0], iso(first[1]), first[2])
+    return found, head
 
 
 def _history(hub: str, repo_id: str, revision: str, not_after: dt.date | None,

@@ -17,6 +17,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import Problem, Severity
+from dsv4_offload.workspace.store import atomic_write_json
+
 LOCK_FILE = "weights.lock.json"
 # config.json fields that differ between models of another shape: a pair whose configs
 # disagree on one is not one model
@@ -34,6 +38,66 @@ def read_lock(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return doc if isinstance(doc, dict) else {}
+
+
+def read_shared_lock(path: Path) -> dict[str, Any]:
+    """A lock handed over with --lock FILE: read strictly (a one-line error naming it)."""
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"--lock {path}: cannot read it ({exc.strerror}); give the "
+                         f"{LOCK_FILE} of a host that downloaded this recipe") from None
+    except ValueError as exc:
+        raise InputError(f"--lock {path}: not JSON ({exc}); give the {LOCK_FILE} of a host "
+                         "that downloaded this recipe") from None
+    if not isinstance(doc, dict):
+        raise InputError(f"--lock {path}: not a weights lock (a JSON object of entries); give "
+                         f"the {LOCK_FILE} of a host that downloaded this recipe")
+    return doc
+
+
+def adopt(shared: dict[str, Any], path: Path, own: dict[str, Any],
+          keys: dict[str, str]) -> dict[str, Any]:
+    """``own`` with the entries ``shared`` holds for ``keys`` ({set: key}); a set the shared
+    lock lacks, or that this workspace already locked at another commit, is refused."""
+    doc = dict(own)
+    for name, entry_key in keys.items():
+        entry = shared.get(entry_key)
+        commit = entry.get("resolved") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(commit, str) \
+                or not re.fullmatch(r"[0-9a-f]{40}", commit):
+            raise InputError(f"--lock {path}: no commit for '{entry_key}' (the recipe's {name} "
+                             "set); export the lock of a host that downloaded this recipe with "
+                             "this version, or download that set without --lock")
+        mine = own.get(entry_key)
+        held = mine.get("resolved") if isinstance(mine, dict) else None
+        if held and held != commit:
+            raise InputError(f"--lock {path}: '{entry_key}' is commit {commit} there, this "
+                             f"workspace locked {held}; to follow the shared lock, delete "
+                             f"'{entry_key}' from this workspace's {LOCK_FILE} (or use a fresh "
+                             "workspace)")
+        doc[entry_key] = {**entry, "from_lock": str(path)}
+    return doc
+
+
+def moved_past(doc: dict[str, Any], sets: dict[str, tuple[str, str, str]]) -> list[str]:
+    """A line per set ({name: (hub, repo, revision)}) whose branch head, as the last
+    download saw it (recorded in the lock: no hub is asked here), is past the locked
+    commit."""
+    lines = []
+    for name, (hub, repo_id, revision) in sets.items():
+        entry = doc.get(key(hub, repo_id, revision))
+        head = entry.get("head") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(head, dict) \
+                or not head.get("commit") or head.get("commit") == entry.get("resolved"):
+            continue
+        lines.append(
+            f"{name}: {repo_id}@{revision} has moved past the lock: its head was "
+            f"{head['commit']} ({head.get('committed') or 'date unknown'}) when seen "
+            f"{head.get('seen') or '?'}, the lock holds {entry.get('resolved')} "
+            f"({entry.get('committed') or 'date unknown'}); to move on, change "
+            f"weights.{name}.not_after and run `dsv4-offload download --update {name}`")
+    return lines
 
 
 def key(hub: str, repo_id: str, revision: str) -> str:
@@ -185,3 +249,50 @@ def _card_base(meta: dict[str, Any]) -> str | None:
     if isinstance(value, list) and value:
         value = value[0]
     return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+# --- what the download stage says about the lock --------------------------------------------
+
+
+def adopt_file(shared_path: Path, own_path: Path, keys: dict[str, str]) -> list[str]:
+    """--lock FILE: the entries FILE holds for ``keys`` ({set: key}) written into this
+    workspace's lock, so that every host of a fleet fetches the same commits."""
+    doc = adopt(read_shared_lock(shared_path), shared_path, read_lock(own_path), keys)
+    atomic_write_json(own_path, doc)
+    return list(keys.values())
+
+
+def update_problem(name: str, entry_key: str, before: dict[str, Any],
+                   doc: dict[str, Any]) -> Problem:
+    """--update SET: one line saying from what to what the lock moved."""
+    after = doc.get(entry_key) or {}
+    was = f"{before.get('resolved') or before.get('identity') or 'nothing'} " \
+        f"({before.get('committed') or 'date unknown'})"
+    now = f"{after.get('resolved')} ({after.get('committed') or 'date unknown'})"
+    if before.get("identity") == after.get("identity"):
+        return Problem("info", f"{name}: {entry_key} stays at {now}", check="update")
+    return Problem(
+        "warning", f"{name}: {entry_key} moved from {was} to {now}; the stages that read "
+        "these weights are stale (convert, verify-gguf, serve: `dsv4-offload status` names "
+        "them)", fix="run `dsv4-offload run` to redo them with the new weights", check="update")
+
+
+def pair_problem(w8a8: Any, mxfp4: Any) -> Problem | None:
+    """The two sets' lock entries judged as a pair (pair_verdict), as the stage reports it."""
+    if not isinstance(w8a8, dict) or not isinstance(mxfp4, dict) \
+            or not isinstance(w8a8.get("base_model"), dict) \
+            or not isinstance(mxfp4.get("base_model"), dict):
+        return None
+    verdict = pair_verdict(w8a8, mxfp4)
+    if verdict is None:
+        return None
+    severity, why = verdict
+    if severity == "error":
+        return Problem("error", f"the weight sets are not one model: {why}; refused before "
+                       "conversion (the server would answer garbage with no error)",
+                       fix="use the official W8A8 of this exact model (brief: it shares the "
+                       "quarot base with the MXFP4 experts): pin both weights.*.revision to "
+                       "matching releases", check="pair")
+    return Problem(Severity(severity), why,
+                   fix="check the W8A8 card on its hub for the base revision it was quantised "
+                   "from, and pin weights.mxfp4.revision to that commit", check="pair")
