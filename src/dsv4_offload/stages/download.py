@@ -271,7 +271,8 @@ def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
                else {}),
             # the branch's head as last seen, for `status` (which never asks the hub)
             **({"head": {"commit": r.head.sha, "committed": r.head.date, "seen": now_iso()}}
-               if r.head else {}),
+               if r.head else {"head": old["head"]} if isinstance(old.get("head"), dict)
+               else {}),
             "base_model": wlock.base_model(ctx.workspace.weights_dir(ctx.recipe, r.name),
                                            spec.repo_id, is_source=r.name == "mxfp4")}
     if any(r.ok for r in reports):
