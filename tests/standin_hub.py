@@ -5,7 +5,7 @@ It speaks the few endpoints a snapshot download uses:
 Hugging Face
 - ``GET /api/models/{repo}/revision/{rev}``          repo info with the resolved commit sha
 - ``GET /api/models/{repo}/commits/{rev}``           the commit history, newest first
-  (huggingface_hub 2.4.0 hf_api.py:4256-4269 reads ``id``, ``authors[].user``, ``date``,
+  (huggingface_hub 2.4.0 hf_api.py:4252-4267 reads ``id``, ``authors[].user``, ``date``,
   ``title``, ``message`` of each item)
 - ``GET /api/models/{repo}/tree/{rev}[/{dir}]``       file listing (size, git oid, LFS sha256)
 - ``HEAD|GET /{repo}/resolve/{rev}/{file}``           file metadata headers / bytes (Range);
@@ -16,7 +16,7 @@ ModelScope
 - ``GET /api/v1/models/{repo}/repo/files?Revision=``  file listing (Path, Size, Sha256)
 - ``GET /api/v1/models/{repo}/repo?FilePath=...``     file bytes (Range), at ``Revision``
 - ``GET /api/v1/models/{repo}/commits?Ref=&PageNumber=&PageSize=``  the commit history,
-  newest first, as modelscope 1.40.2 reads it (utils/repo_utils.py:298-352:
+  newest first, as modelscope 1.40.2 reads it (utils/repo_utils.py:298-357:
   ``Data.Commit[]`` with ``Id``, ``ShortId``, ``Title``, ``CommittedDate``..., and
   ``TotalCount``; hub/utils/utils.py:562 reads an integer date as UNIX seconds)
 

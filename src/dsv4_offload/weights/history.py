@@ -15,7 +15,7 @@ The history comes from the hub clients, read at their installed versions:
   (utils/_pagination.py:56), each item ``{"id", "authors": [{"user"}], "date", "title",
   "message"}`` read into ``GitCommitInfo`` (hf_api.py:1489).
 - ModelScope: modelscope 1.40.2 keeps the commit-history shapes, ``CommitHistoryResponse``
-  (modelscope/utils/repo_utils.py:332-352: ``Data.Commit[]`` of ``DetailedCommitInfo``,
+  (modelscope/utils/repo_utils.py:332-357: ``Data.Commit[]`` of ``DetailedCommitInfo``,
   :283-312, ``Id``, ``CommittedDate``...; ``TotalCount``), and ``ModelInfo.sha`` reads the
   first of them (modelscope/hub/info.py:226-231), but its ``HubApi`` became a shim over
   modelscope_hub 0.5.1 and lost the call that fetched them (``list_repo_commits``:
