@@ -197,15 +197,24 @@ def status(ctx: typer.Context) -> None:
 
 
 def _weights_moved(pctx: Any) -> list[str]:
-    """The weight sets whose branch moved past the lock, as the last download saw the
-    heads (the lock keeps them; status never asks a hub, and never runs during a run)."""
+    """The weight sets whose branch moved past the lock. The heads are cached in the lock
+    (each download records them); one older than weightlock.HEAD_TTL_S is asked again, with
+    a short timeout, only while no run holds the workspace."""
+    from dsv4_offload.core.errors import LockedError
     from dsv4_offload.weights import weightlock
 
     weights = pctx.recipe.weights
     sets = {name: (spec.hub, spec.repo_id, spec.revision)
             for name in ("w8a8", "mxfp4") if (spec := getattr(weights, name, None)) is not None}
-    return weightlock.moved_past(weightlock.read_lock(weightlock.lock_path(pctx.workspace.root)),
-                                 sets)
+    path = weightlock.lock_path(pctx.workspace.root)
+    failed: list[str] = []
+    if path.is_file():
+        try:
+            with pctx.workspace.lock("status (weights heads)"):
+                failed = weightlock.refresh_heads(path, sets)
+        except LockedError:
+            pass  # a run holds the workspace: the heads it cached are shown
+    return weightlock.moved_past(weightlock.read_lock(path), sets) + failed
 
 
 def read_from(pctx: Any) -> dict[str, str]:

@@ -84,16 +84,17 @@ def newest_before(commits: Iterable[tuple[str, dt.datetime | None, str]],
 
 
 def resolve(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
-            endpoint: str) -> tuple[Commit, Commit | None]:
+            endpoint: str, timeout: float = HTTP_TIMEOUT_S) -> tuple[Commit, Commit | None]:
     """The commit ``revision`` names under the date rule, through the hub's history, and
-    the branch's head today (None for a full commit, which has no head to move)."""
+    the branch's head today (None for a full commit, which has no head to move). A
+    ``timeout`` under HTTP_TIMEOUT_S asks once, without the clients' retries."""
     if HEX40.match(revision):
         if hub == "modelscope":
             # ModelScope's history is asked by branch; a full commit is its own answer
             # (the listing at it proves it exists)
             return Commit(revision), None
         not_after = None
-    rows = iter(_history(hub, repo_id, revision, not_after, endpoint))
+    rows = iter(_history(hub, repo_id, revision, not_after, endpoint, timeout))
     first = next(rows, None)
     found = newest_before(itertools.chain([first], rows), not_after) if first else None
     if first is None or found is None:
@@ -107,17 +108,17 @@ def resolve(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
 
 
 def _history(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
-             endpoint: str) -> Iterable[tuple[str, dt.datetime | None, str]]:
+             endpoint: str, timeout: float) -> Iterable[tuple[str, dt.datetime | None, str]]:
     """Commits of ``revision``, newest first; on the Hub, only as far as the rule needs."""
     if hub == "huggingface":
-        return _huggingface(repo_id, revision, not_after, endpoint)
+        return _huggingface(repo_id, revision, not_after, endpoint, timeout)
     if hub == "modelscope":
-        return _modelscope(repo_id, revision, endpoint)
+        return _modelscope(repo_id, revision, endpoint, timeout)
     raise InputError(f"unknown hub '{hub}'; use one of {list(hubs.HUBS)}")
 
 
-def _huggingface(repo_id: str, revision: str, not_after: dt.date | None,
-                 endpoint: str) -> list[tuple[str, dt.datetime | None, str]]:
+def _huggingface(repo_id: str, revision: str, not_after: dt.date | None, endpoint: str,
+                 timeout: float) -> list[tuple[str, dt.datetime | None, str]]:
     from huggingface_hub import HfApi
     from huggingface_hub.errors import (
         HfHubHTTPError,
@@ -129,7 +130,7 @@ def _huggingface(repo_id: str, revision: str, not_after: dt.date | None,
     try:
         # one plain request first: the head and its date often answer alone, and a hub that
         # cannot be reached fails here at once (the history's pager retries for ~20 s)
-        info = api.model_info(repo_id, revision=revision)
+        info = api.model_info(repo_id, revision=revision, timeout=timeout)
         if not info.sha:
             raise ValueError(f"model info of {repo_id}@{revision} has no commit sha")
         if not_after is None or (info.last_modified is not None
@@ -153,21 +154,28 @@ def _huggingface(repo_id: str, revision: str, not_after: dt.date | None,
     return [(c.commit_id, c.created_at, c.title) for c in commits]
 
 
-def _modelscope(repo_id: str, revision: str,
-                endpoint: str) -> Iterable[tuple[str, dt.datetime | None, str]]:
+def _modelscope(repo_id: str, revision: str, endpoint: str,
+                timeout: float) -> Iterable[tuple[str, dt.datetime | None, str]]:
     """Pages of ``/api/v1/models/{repo}/commits``, newest first, read as they are needed."""
     import requests
     from modelscope.hub.api import HubApi
     from modelscope.utils.repo_utils import CommitHistoryResponse
 
     session = HubApi(endpoint=endpoint).session
+    if timeout < HTTP_TIMEOUT_S:
+        # a quick question (`status`): the client's session retries a refused connection
+        # for ~15 s; a plain one with its headers and cookies asks once
+        quick = requests.Session()
+        quick.headers.update(session.headers)
+        quick.cookies.update(session.cookies)
+        session = quick
     url = f"{endpoint}/api/v1/models/{repo_id}/commits"
     seen = 0
     for page in range(1, MS_MAX_PAGES + 1):
         try:
             answer = session.get(url, params={"Ref": revision, "PageNumber": page,
                                               "PageSize": MS_PAGE_SIZE},
-                                 timeout=HTTP_TIMEOUT_S)
+                                 timeout=timeout)
             if answer.status_code == 404:
                 raise InputError(f"{repo_id}@{revision} not found on modelscope at "
                                  f"{redact(endpoint)}; fix weights.*.repo_id / revision in "

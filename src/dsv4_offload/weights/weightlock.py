@@ -12,16 +12,21 @@ state, and takes the commit. The two sets' bases are compared before conversion.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import re
 from pathlib import Path
 from typing import Any
 
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Problem, Severity
 from dsv4_offload.workspace.store import atomic_write_json
 
 LOCK_FILE = "weights.lock.json"
+# `status` asks a hub where a locked branch points at most this often (the head is cached
+# in the lock), and waits this long for an answer
+HEAD_TTL_S = 6 * 3600
+HEAD_TIMEOUT_S = 5.0
 # config.json fields that differ between models of another shape: a pair whose configs
 # disagree on one is not one model
 SIGNATURE_KEYS = ("model_type", "num_hidden_layers", "hidden_size", "n_routed_experts",
@@ -98,6 +103,48 @@ def moved_past(doc: dict[str, Any], sets: dict[str, tuple[str, str, str]]) -> li
             f"({entry.get('committed') or 'date unknown'}); to move on, change "
             f"weights.{name}.not_after and run `dsv4-offload download --update {name}`")
     return lines
+
+
+def refresh_heads(path: Path, sets: dict[str, tuple[str, str, str]],
+                  ttl_s: float = HEAD_TTL_S) -> list[str]:
+    """Ask each hub where a locked branch points now, for the sets whose head in the lock
+    was seen more than ``ttl_s`` ago (one small request each, a short timeout), and write
+    the answers back; returns a line per hub that could not be asked. The caller holds the
+    workspace, so no run writes the lock meanwhile."""
+    from dsv4_offload.core.clock import now_iso
+    from dsv4_offload.weights import history, hubs
+
+    doc, asked, failed = read_lock(path), False, []
+    now = dt.datetime.now(dt.timezone.utc)
+    for name, (hub, repo_id, revision) in sets.items():
+        entry = doc.get(key(hub, repo_id, revision))
+        head = entry.get("head") if isinstance(entry, dict) else None
+        if not isinstance(entry, dict) or not isinstance(head, dict) \
+                or (now - _when(head.get("seen"))).total_seconds() < ttl_s:
+            continue
+        try:
+            endpoint = hubs.resolve_endpoint(hub)
+            _found, seen = history.resolve(hub, repo_id, revision, None, endpoint,
+                                           timeout=HEAD_TIMEOUT_S)
+        except Dsv4Error as exc:
+            failed.append(f"{name}: could not ask {hub} where {revision} points now "
+                          f"({str(exc)[:160]}); the head shown is the one seen last")
+            continue
+        if seen is not None:
+            entry["head"] = {"commit": seen.sha, "committed": seen.date, "seen": now_iso()}
+            asked = True
+    if asked:
+        atomic_write_json(path, doc)
+    return failed
+
+
+def _when(text: Any) -> dt.datetime:
+    """A recorded timestamp; an unreadable one is long ago (so it is refreshed)."""
+    try:
+        when = dt.datetime.fromisoformat(str(text))
+    except ValueError:
+        return dt.datetime(1970, 1, 1, tzinfo=dt.timezone.utc)
+    return when if when.tzinfo else when.replace(tzinfo=dt.timezone.utc)
 
 
 def key(hub: str, repo_id: str, revision: str) -> str:
