@@ -4,14 +4,21 @@ It speaks the few endpoints a snapshot download uses:
 
 Hugging Face
 - ``GET /api/models/{repo}/revision/{rev}``          repo info with the resolved commit sha
+- ``GET /api/models/{repo}/commits/{rev}``           the commit history, newest first
+  (huggingface_hub 2.4.0 hf_api.py:4252-4267 reads ``id``, ``authors[].user``, ``date``,
+  ``title``, ``message`` of each item)
 - ``GET /api/models/{repo}/tree/{rev}[/{dir}]``       file listing (size, git oid, LFS sha256)
 - ``HEAD|GET /{repo}/resolve/{rev}/{file}``           file metadata headers / bytes (Range);
   LFS files answer 302 to ``/cdn/{repo}/{sha256}`` with X-Linked-Size / X-Linked-Etag,
   the way the Hub sends large files to its CDN
 
 ModelScope
-- ``GET /api/v1/models/{repo}/repo/files``            file listing (Path, Size, Sha256)
-- ``GET /api/v1/models/{repo}/repo?FilePath=...``     file bytes (Range)
+- ``GET /api/v1/models/{repo}/repo/files?Revision=``  file listing (Path, Size, Sha256)
+- ``GET /api/v1/models/{repo}/repo?FilePath=...``     file bytes (Range), at ``Revision``
+- ``GET /api/v1/models/{repo}/commits?Ref=&PageNumber=&PageSize=``  the commit history,
+  newest first, as modelscope 1.40.2 reads it (utils/repo_utils.py:298-357:
+  ``Data.Commit[]`` with ``Id``, ``ShortId``, ``Title``, ``CommittedDate``..., and
+  ``TotalCount``; hub/utils/utils.py:562 reads an integer date as UNIX seconds)
 
 Every request is recorded, with the body bytes sent for it, so tests can count data
 requests and bytes (``sent_by_file``). ``throttle`` (bytes/s) paces file bodies, so a small
@@ -19,12 +26,13 @@ synthetic checkpoint takes seconds to download: time to watch or kill it. Files 
 ``corrupt_served`` are served with one flipped byte (same size) to play a hub or proxy
 that hands out bad data; ``phantom`` adds listing entries that are never served (a hostile
 hub's absolute or ``..`` paths); ``listing_body`` replaces the listings' JSON with raw bytes.
-``move_to`` pushes a new commit: the branches follow it, and the Hugging Face endpoints
-still serve the earlier commits by their sha, as the Hub does.
+``move_to`` pushes a new commit (dated a day after the head, or as given): the branches
+follow it, and both hubs still serve the earlier commits by their sha, as the hubs do.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 import json
 import re
@@ -38,6 +46,8 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 # Files at or above this size are "LFS" files on the HF side (listing carries a sha256).
 LFS_THRESHOLD = 1024
+# the first commit of every stand-in repo: before the bundled recipes' not_after (2026-08-06)
+FIRST_COMMIT_DATE = dt.datetime(2026, 7, 1, 8, 0, tzinfo=dt.timezone.utc)
 
 
 def git_blob_oid(data: bytes) -> str:
@@ -55,13 +65,30 @@ class HubRepo:
     phantom: dict[str, int] = field(default_factory=dict)  # path -> claimed size, never served
     # a hostile hub: the listing endpoints answer these bytes instead (an HTML page, junk)
     listing_body: bytes | None = None
-    # earlier commits, still served by their sha: commit -> its files
+    # earlier commits, still served by their sha: commit -> its files (oldest first)
     history: dict[str, dict[str, bytes]] = field(default_factory=dict)
+    # commit -> when it was committed (UTC); a commit not named here is FIRST_COMMIT_DATE
+    dates: dict[str, dt.datetime] = field(default_factory=dict)
 
-    def move_to(self, commit: str, files: dict[str, bytes]) -> None:
+    def move_to(self, commit: str, files: dict[str, bytes],
+                date: dt.datetime | None = None) -> None:
         """Push a new commit: the branches point at it, the old one stays fetchable by sha."""
+        when = date or self.date_of(self.commit) + dt.timedelta(days=1)
         self.history[self.commit] = self.files
         self.commit, self.files = commit, files
+        self.dates[commit] = when
+
+    def date_of(self, commit: str) -> dt.datetime:
+        return self.dates.get(commit, FIRST_COMMIT_DATE)
+
+    def log(self, rev: str) -> list[str] | None:
+        """The commits reachable from ``rev``, newest first; None when there is no such rev."""
+        chain = [self.commit, *reversed(list(self.history))]
+        if rev in self.revisions or rev == self.commit:
+            return chain
+        if rev in self.history:
+            return chain[chain.index(rev):]
+        return None
 
     def at(self, rev: str) -> tuple[str, dict[str, bytes]] | None:
         """(commit, files) a branch or commit sha names, None when the hub has no such one."""
@@ -240,12 +267,16 @@ class StandinHub:
                 query = {k: v[0] for k, v in parse_qs(split.query).items()}
                 if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/revision/(.+)", path):
                     return self._hf_revision(m[1], m[2], head)
+                if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/commits/([^/]+)", path):
+                    return self._hf_commits(m[1], m[2], head)
                 if m := re.fullmatch(r"/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?", path):
                     return self._hf_tree(m[1], m[2], (m[3] or "").strip("/"), head)
                 if m := re.fullmatch(r"/cdn/([^/]+/[^/]+)/([0-9a-f]{64})", path):
                     return self._cdn(m[1], m[2], head)
                 if m := re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path):
                     return self._hf_resolve(m[1], m[2], m[3], head)
+                if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/commits", path):
+                    return self._ms_commits(m[1], query, head)
                 if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo/files", path):
                     return self._ms_files(m[1], query, head)
                 if m := re.fullmatch(r"/api/v1/models/([^/]+/[^/]+)/repo", path):
@@ -271,7 +302,21 @@ class StandinHub:
                                       {"X-Error-Code": "RevisionNotFound"})
                 siblings = [{"rfilename": p} for p in sorted(snap[1])]
                 self._json({"id": repo_id, "modelId": repo_id, "sha": snap[0],
+                            "lastModified": _hf_date(repo.date_of(snap[0])),
                             "private": False, "siblings": siblings}, head)
+
+            def _hf_commits(self, repo_id: str, rev: str, head: bool) -> None:
+                repo = self._repo(repo_id)
+                if repo is None:
+                    return self._json({"error": "Repository not found"}, head, 404,
+                                      {"X-Error-Code": "RepoNotFound"})
+                log = repo.log(rev)
+                if log is None:
+                    return self._json({"error": "Revision not found"}, head, 404,
+                                      {"X-Error-Code": "RevisionNotFound"})
+                self._json([{"id": c, "authors": [{"user": "standin"}],
+                             "date": _hf_date(repo.date_of(c)), "title": f"commit {c[:7]}",
+                             "message": ""} for c in log], head)
 
             def _hf_tree(self, repo_id: str, rev: str, sub: str, head: bool) -> None:
                 repo = self._repo(repo_id)
@@ -330,19 +375,38 @@ class StandinHub:
                     "ETag": f'"{sha}"'}, head)
 
             # --- ModelScope ---
+            def _ms_commits(self, repo_id: str, query: dict[str, str], head: bool) -> None:
+                repo = self._repo(repo_id)
+                log = repo.log(query.get("Ref", "master")) if repo else None
+                if repo is None or log is None:
+                    return self._json({"Code": 10010205001, "Message": "model not found",
+                                       "Success": False}, head, 404)
+                size = int(query.get("PageSize", "50"))
+                start = (int(query.get("PageNumber", "1")) - 1) * size
+                page = [{"Id": c, "ShortId": c[:8], "Title": f"commit {c[:7]}", "Message": "",
+                         "AuthorName": "standin", "AuthorEmail": "",
+                         "AuthoredDate": int(repo.date_of(c).timestamp()),
+                         "CommittedDate": int(repo.date_of(c).timestamp()),
+                         "CommitterName": "standin", "CommitterEmail": "",
+                         "CreatedAt": int(repo.date_of(c).timestamp())}
+                        for c in log[start:start + size]]
+                self._json({"Code": 200, "Success": True, "Message": "success",
+                            "Data": {"Commit": page}, "TotalCount": len(log)}, head)
+
             def _ms_files(self, repo_id: str, query: dict[str, str], head: bool) -> None:
                 repo = self._repo(repo_id)
-                if repo is None:
+                snap = repo.at(query.get("Revision", "master")) if repo else None
+                if repo is None or snap is None:
                     return self._json({"Code": 10010205001, "Message": "model not found",
                                        "Success": False}, head, 404)
                 if repo.listing_body is not None:
                     return self._send(200, repo.listing_body, {"Content-Type": "text/html"},
                                       head)
                 files = []
-                for p, data in sorted(repo.files.items()):
+                for p, data in sorted(snap[1].items()):
                     files.append({"Path": p, "Name": p.rsplit("/", 1)[-1], "Type": "blob",
-                                  "Size": len(data), "Sha256": repo.sha256(p),
-                                  "Revision": repo.commit})
+                                  "Size": len(data), "Sha256": repo.sha256(p, snap[1]),
+                                  "Revision": snap[0]})
                 for p, size in sorted(repo.phantom.items()):
                     files.append({"Path": p, "Name": p, "Type": "blob", "Size": size,
                                   "Sha256": "0" * 64, "Revision": repo.commit})
@@ -351,9 +415,10 @@ class StandinHub:
             def _ms_file(self, repo_id: str, query: dict[str, str], head: bool) -> None:
                 repo = self._repo(repo_id)
                 fname = query.get("FilePath", "")
-                if repo is None or fname not in repo.files:
+                snap = repo.at(query.get("Revision", "master")) if repo else None
+                if repo is None or snap is None or fname not in snap[1]:
                     return self._json({"Code": 10010205001, "Message": "file not found"}, head, 404)
-                self._ranged(repo.served_bytes(fname),
+                self._ranged(repo.served_bytes(fname, snap[1]),
                              {"Content-Type": "application/octet-stream",
                               "Accept-Ranges": "bytes"}, head)
 
@@ -375,6 +440,12 @@ class StandinHub:
                 self._send(200, data, headers, head, throttle=True)
 
         return Handler
+
+
+def _hf_date(when: dt.datetime) -> str:
+    """A date as the Hub writes it (``2022-08-19T07:19:38.123Z``, what huggingface_hub's
+    parse_datetime reads: utils/_datetime.py:19)."""
+    return when.astimezone(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.000Z")
 
 
 def tiny_model_repo(repo_id: str, *, commit: str | None = None) -> HubRepo:

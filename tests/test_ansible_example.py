@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 from standin_hub import StandinHub
-from test_stream import DIMS, MXFP4_REPO, repo_of, sizes, w8a8_repo
+from test_stream import DIMS, MXFP4_REPO, W8A8_REPO, repo_of, sizes, w8a8_repo
 
 from dsv4_offload.weights.checkpoint import write_synthetic_checkpoint
 
@@ -135,3 +135,46 @@ def test_two_hosts_come_up_and_a_rerun_resumes_the_one_that_failed(
         assert 0 < sent <= sum(len(d) for r in (mxfp4, w8a8) for d in r.files.values())
         states2 = _status(tmp_path / "venv2", tmp_path / "ws2", run_env, common["dsv4_set"])
         assert [states2[s][0] for s in STAGES] == ["done"] * 3, states2
+
+
+def test_the_fleets_weights_lock_gives_a_later_host_the_same_commits(
+        tmp_path: Path, wheel: Path) -> None:
+    from standin_hub import tiny_model_repo
+
+    repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
+    tiny = sum(len(d) for d in repos[0].files.values())
+    site = sysconfig.get_paths()["purelib"]
+    with StandinHub(repos) as hub:
+        environment = {"PYTHONPATH": site, "HF_ENDPOINT": hub.url,
+                       "MODELSCOPE_ENDPOINT": hub.url, "HF_HOME": str(tmp_path / "hf"),
+                       "MODELSCOPE_CACHE": str(tmp_path / "ms"),
+                       "DSV4_CACHE": str(tmp_path / "cache")}
+        common: dict[str, Any] = {
+            "dsv4_package": str(wheel), "dsv4_pip_extra_args": "--no-index --no-deps",
+            "dsv4_python": sys.executable, "dsv4_environment": environment,
+            # floating branches: without the fleet's lock, host2 would get the moved commits
+            "dsv4_set": [f"weights.{w}.{k}" for w in ("w8a8", "mxfp4")
+                         for k in (f"expected_bytes={tiny}", "not_after=null")],
+            "dsv4_run_args": ["--from", "download", "--to", "download"],
+            "dsv4_poll_s": 1, "dsv4_timeout_s": 300}
+        host1 = {"dsv4_workspace": str(tmp_path / "ws1"), "dsv4_venv": str(tmp_path / "venv")}
+        first = _playbook(tmp_path, {"host1": host1}, common)
+        assert first.returncode == 0, first.stdout + first.stderr
+        fleet = tmp_path / "fleet-weights.lock.json"  # what the operator fetched from host1
+        fleet.write_bytes((tmp_path / "ws1" / "weights.lock.json").read_bytes())
+        for repo in repos:  # a week later both branches have moved
+            repo.move_to(("2" if repo.repo_id == MXFP4_REPO else "b") * 40,
+                         {**repo.files, "config.json": b'{"model_type": "deepseek_v41"}'})
+        host2 = {"dsv4_workspace": str(tmp_path / "ws2"), "dsv4_venv": str(tmp_path / "venv"),
+                 "dsv4_weights_lock": str(fleet)}
+        second = _playbook(tmp_path, {"host2": host2}, common)
+        assert second.returncode == 0, second.stdout + second.stderr
+    one, two = (json.loads((tmp_path / ws / "weights.lock.json").read_text())
+                for ws in ("ws1", "ws2"))
+    assert {k: e["resolved"] for k, e in one.items()} == \
+        {k: e["resolved"] for k, e in two.items()}
+    assert two[f"modelscope:{W8A8_REPO}@master"]["resolved"] == "a" * 40
+    for name in ("DeepSeek-V4-Flash", "DeepSeek-V4-Flash-W8A8"):
+        for f in (tmp_path / "ws1" / "weights" / name).iterdir():
+            twin = tmp_path / "ws2" / "weights" / name / f.name
+            assert f.name.startswith(".") or twin.read_bytes() == f.read_bytes()

@@ -315,8 +315,11 @@ def test_download_locks_both_resolved_revisions(tmp_path: Path, hub: StandinHub)
     hf = lock[f"huggingface:{MXFP4_REPO}@main"]
     assert hf["resolved"] == hub.repos[MXFP4_REPO].commit == hf["identity"]
     assert hf["base_model"]["name"] == MXFP4_REPO
+    assert hf["not_after"] == "2026-08-06" and hf["committed"] == "2026-07-01T08:00:00Z"
     ms = lock[f"modelscope:{W8A8_REPO}@master"]
-    assert ms["identity"] == f"listing:{ms['listing_digest']}"  # ModelScope names no commit
+    # ModelScope's commit history names the commit its listing does not (issue 30)
+    assert ms["resolved"] == "a" * 40 == ms["identity"]
+    assert ms["committed"] == "2026-07-01T08:00:00Z"
 
 
 def _revised(repo_files: dict[str, bytes]) -> dict[str, bytes]:
@@ -376,21 +379,47 @@ def test_drift_to_a_commit_the_hub_no_longer_has_is_refused(tmp_path: Path,
                                 f"weights.mxfp4.revision={'c' * 40})")
 
 
-def test_drift_on_modelscope_is_refused_having_no_commit_to_fetch(tmp_path: Path,
-                                                                  hub: StandinHub) -> None:
+def test_drift_on_modelscope_fetches_the_locked_commit(tmp_path: Path, hub: StandinHub) -> None:
     assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8")).status is Status.WARN
     repo = hub.repos[W8A8_REPO]
-    repo.move_to("d" * 40, _revised(repo.files))
+    old_files = dict(repo.files)
+    repo.move_to("d" * 40, _revised(repo.files))  # `master` moves on, before not_after
+    for path in old_files:  # another host with this lock: nothing on disk yet
+        (weights(make_ctx(tmp_path), "w8a8") / path).unlink()
     again = download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8"))
-    assert again.status is Status.FAILED
+    assert again.status is Status.WARN, again.problems
     (drift,) = [p for p in again.problems if p.check == "drift"]
-    assert drift.message.startswith(f"w8a8: {W8A8_REPO}@master now resolves to a listing with "
-                                    "digest ")
-    assert "ModelScope cannot fetch the locked state: its listing names no commit" in \
+    assert drift.message.startswith(f"w8a8: {W8A8_REPO}@master now resolves to {'d' * 40}, "
+                                    f"locked at {'a' * 40} on ")
+    assert f"fetching the locked commit {'a' * 40} instead" in drift.message
+    for path, data in old_files.items():
+        assert (weights(make_ctx(tmp_path), "w8a8") / path).read_bytes() == data
+    assert _lock(tmp_path)[f"modelscope:{W8A8_REPO}@master"]["resolved"] == "a" * 40
+
+
+def test_an_older_lock_with_a_modelscope_listing_digest_stays_readable(
+        tmp_path: Path, hub: StandinHub) -> None:
+    assert download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8")).status is Status.WARN
+    lock_file = tmp_path / "weights.lock.json"
+    doc = _lock(tmp_path)
+    entry = doc[f"modelscope:{W8A8_REPO}@master"]
+    # what main 9d24765 wrote: no commit, the listing digest as identity
+    entry.update(resolved=None, identity=f"listing:{entry['listing_digest']}")
+    for k in ("committed", "not_after"):
+        entry.pop(k)
+    lock_file.write_text(json.dumps(doc))
+    again = download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8"))
+    assert again.status is Status.WARN and not any(p.check == "drift" for p in again.problems)
+    assert _lock(tmp_path)[f"modelscope:{W8A8_REPO}@master"]["identity"] == "a" * 40
+    # the same old entry, the hub moved since: refused, naming the entry to delete
+    lock_file.write_text(json.dumps(doc))
+    hub.repos[W8A8_REPO].move_to("d" * 40, _revised(hub.repos[W8A8_REPO].files))
+    moved = download.run(make_ctx(tmp_path, endpoint=hub.url, which="w8a8"))
+    assert moved.status is Status.FAILED
+    (drift,) = [p for p in moved.problems if p.check == "drift"]
+    assert "it holds a listing digest from before ModelScope commits were resolved" in \
         drift.message
-    assert f"delete the entry 'modelscope:{W8A8_REPO}@master' from {tmp_path}" in drift.fix
-    assert (weights(make_ctx(tmp_path), "w8a8") / "config.json").read_bytes() != \
-        repo.files["config.json"]  # nothing of the moved branch was fetched
+    assert f"delete the entry 'modelscope:{W8A8_REPO}@master' from {tmp_path}" not in drift.fix
 
 
 def test_a_w8a8_set_of_another_base_is_refused_before_conversion(tmp_path: Path,

@@ -109,3 +109,63 @@ def test_ctrl_c_mid_file_then_rerun_resumes(tmp_path: Path, env: dict[str, str])
         assert target.read_bytes() == repo.files[big]
         ranges = [r.range for r in hub.data_requests() if big in r.path]
         assert ranges == [f"bytes={kept}-"]
+
+
+def test_status_says_when_a_branch_moved_past_the_lock(tmp_path: Path,
+                                                        env: dict[str, str]) -> None:
+    import datetime as dt
+
+    ws = str(tmp_path / "ws")
+    repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
+    with StandinHub(repos) as hub:
+        hubs = ["--endpoint", f"huggingface={hub.url}", "--endpoint", f"modelscope={hub.url}"]
+        assert run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env).code == 0
+        quiet = run_cli("--workspace", ws, *SIZES, "--json", "status", env=env)
+        assert quiet.json()["data"]["weights_moved"] == []
+        hub.repos[W8A8_REPO].move_to("b" * 40, dict(hub.repos[W8A8_REPO].files),
+                                     dt.datetime(2026, 10, 1, tzinfo=dt.timezone.utc))
+        again = run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env)
+        assert again.code == 0, again  # the date rule holds: nothing to fetch
+        hub.stop()  # status asks no hub
+        status = run_cli("--workspace", ws, *SIZES, "status", env=env)
+    assert status.code == 0, status
+    line = next(x for x in status.out.splitlines() if x.startswith("weights:"))
+    assert f"w8a8: {W8A8_REPO}@master has moved past the lock: its head was {'b' * 40} " \
+        "(2026-10-01T00:00:00Z)" in line
+    assert f"the lock holds {'a' * 40} (2026-07-01T08:00:00Z)" in line
+
+
+def test_status_asks_the_hubs_again_when_the_cached_heads_are_old(tmp_path: Path,
+                                                                   env: dict[str, str]) -> None:
+    import datetime as dt
+
+    ws = tmp_path / "ws"
+    repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
+    with StandinHub(repos) as hub:
+        env = dict(env, HF_ENDPOINT=hub.url, MODELSCOPE_ENDPOINT=hub.url)
+        assert run_cli("--workspace", str(ws), *SIZES, "download", env=env).code == 0
+        lock_file = ws / "weights.lock.json"
+        doc = json.loads(lock_file.read_text())
+        for entry in doc.values():  # seen a day ago
+            entry["head"]["seen"] = "2026-12-01T00:00:00+00:00"
+        lock_file.write_text(json.dumps(doc))
+        hub.repos[MXFP4_REPO].move_to("2" * 40, dict(hub.repos[MXFP4_REPO].files),
+                                      dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc))
+        status = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+        assert status.code == 0, status
+        (moved,) = status.json()["data"]["weights_moved"]
+        assert moved.startswith(f"mxfp4: {MXFP4_REPO}@main has moved past the lock: its head "
+                                f"was {'2' * 40} (2026-11-01T00:00:00Z) when seen 2026-12-")
+        hub.requests.clear()
+        again = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+        assert again.json()["data"]["weights_moved"] == [moved]
+        assert hub.requests == []  # cached: the heads were asked a moment ago
+        for entry in doc.values():
+            entry["head"]["seen"] = "2026-12-01T00:00:00+00:00"
+        lock_file.write_text(json.dumps(doc))
+    # old heads and a hub that cannot be reached: said, and status still exits 0
+    gone = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+    assert gone.code == 0, gone
+    lines = gone.json()["data"]["weights_moved"]
+    assert any(x.startswith("mxfp4: could not ask huggingface where main points now")
+               for x in lines)

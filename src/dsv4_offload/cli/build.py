@@ -5,6 +5,8 @@ Only typer and cli.kit at import time; the stages (and the hub clients) load ins
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 
 from dsv4_offload.cli import complete, kit
@@ -91,11 +93,21 @@ def download(
         None, "--streams", "--max-workers", min=1, max=16, metavar="N",
         help="Files fetched at once (default: the recipe's weights.streams, 1: files then "
         "arrive in the order the converter needs them)."),
+    lock: Path | None = typer.Option(
+        None, "--lock", metavar="FILE",
+        help="Fetch the commits another host locked: FILE is its weights.lock.json (every "
+        "host of a fleet then holds the same weights)."),
+    update: str | None = typer.Option(
+        None, "--update", metavar="w8a8|mxfp4",
+        help="Move this set's lock to what its revision and not_after resolve to today, "
+        "saying from what to what; the stages that read it become stale."),
 ) -> None:
     """Download the W8A8 (ModelScope) and MXFP4 (Hugging Face) weights, verified.
 
     \b
-    1. Ask the hub for the revision's file listing (the resolved commit is recorded).
+    1. Resolve each set's revision to one commit through the hub's commit history (a
+       branch as of weights.*.not_after; the lock's commit when it holds one, or --lock
+       FILE's), and ask the hub for that commit's file listing.
     2. Check what is on disk: sizes, and sha256 (or git blob id) of files not verified
        before; check the disk can take the rest.
     3. Fetch the missing files with the hub's client (finished files are kept;
@@ -118,4 +130,4 @@ def download(
 
     kit.run_stage(ctx, "download", DownloadOptions(
         which=which, endpoint=endpoints, local_dir_only=local_dir_only, repair=repair,
-        streams=streams))
+        streams=streams, lock=str(lock.resolve()) if lock else None, update=update))

@@ -167,6 +167,7 @@ def status(ctx: typer.Context) -> None:
         warnings.append(f"workspace {ws.root} does not exist: every stage is pending "
                         "(mistyped -w / DSV4_WORKSPACE? `run` creates it)")
     rows = pipeline.pipeline_status(pctx)
+    moved = _weights_moved(pctx)
     lines = []
     for r in rows:
         why = r.reason or r.summary
@@ -186,11 +187,34 @@ def status(ctx: typer.Context) -> None:
 
             for key in ("workspace", "recipe", "lock"):
                 console().print(escape(f"{key + ':':10} {read[key]}"), soft_wrap=True)
+            for line in moved:
+                console().print(escape(f"{'weights:':10} {line}"), soft_wrap=True)
     table = simple_table(("stage", "state", "why", "started", "ended"), lines)
     emit(ctx, command="status", status="warn" if warnings else "ok",
          data={"workspace": str(ws.root), "read": read, "warnings": warnings,
-               "stages": [r.as_dict() for r in rows]},
+               "weights_moved": moved, "stages": [r.as_dict() for r in rows]},
          table=table, lines=[summary])
+
+
+def _weights_moved(pctx: Any) -> list[str]:
+    """The weight sets whose branch moved past the lock. The heads are cached in the lock
+    (each download records them); one older than weightlock.HEAD_TTL_S is asked again, with
+    a short timeout, only while no run holds the workspace."""
+    from dsv4_offload.core.errors import LockedError
+    from dsv4_offload.weights import weightlock
+
+    weights = pctx.recipe.weights
+    sets = {name: (spec.hub, spec.repo_id, spec.revision)
+            for name in ("w8a8", "mxfp4") if (spec := getattr(weights, name, None)) is not None}
+    path = weightlock.lock_path(pctx.workspace.root)
+    failed: list[str] = []
+    if path.is_file():
+        try:
+            with pctx.workspace.lock("status (weights heads)"):
+                failed = weightlock.refresh_heads(path, sets)
+        except LockedError:
+            pass  # a run holds the workspace: the heads it cached are shown
+    return weightlock.moved_past(weightlock.read_lock(path), sets) + failed
 
 
 def read_from(pctx: Any) -> dict[str, str]:

@@ -3,6 +3,7 @@ conversion, serving, selftest and host requirements (acceptance: accept_section.
 
 from __future__ import annotations
 
+import datetime as dt
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -16,6 +17,7 @@ from pydantic import (
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe.fields import (
+    HEX40,
     HEX_PREFIX,
     Commit,
     GitUrl,
@@ -326,13 +328,25 @@ class Build(Strict):
 class WeightSet(Strict):
     hub: Literal["huggingface", "modelscope"] = Field(description="where the weights are published")
     repo_id: str = Field(pattern=r"^[\w.-]+/[\w.-]+$", description="`owner/name` on that hub")
-    revision: str = Field("main", description="branch, tag or commit on the hub")
+    revision: str = Field(
+        "main", description="a full 40-hex commit, or a branch or tag (which moves: give it "
+        "`not_after`)")
+    not_after: dt.date | None = Field(
+        None, description="with a branch or tag: take the newest commit of its history at or "
+        "before this day (UTC, inclusive), so every host resolves the same commit; the bundled "
+        "recipes give the delivery's date, 2026-08-06 (cann-recipes-infer 1a7fbd34); unused when "
+        "revision is a full commit, its own pin")
     allow_patterns: list[str] = Field(
         [], description="glob patterns of the files to download (default all)"
     )
     dir: RelPath = Field(description="download directory, relative to the workspace")
     expected_bytes: int = Field(gt=0, description="approximate total size, for disk planning")
     role: str = Field("", description="what the set is used for, for humans")
+
+    @property
+    def is_commit(self) -> bool:
+        """Whether ``revision`` is a full commit (it then resolves to itself everywhere)."""
+        return bool(HEX40.match(self.revision))
 
 
 class Weights(Strict):

@@ -21,7 +21,6 @@ noted in the record, and fetched again on the next run (``--repair`` re-hashes e
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import shutil
 import stat
@@ -39,7 +38,7 @@ from dsv4_offload.core.host import nearest_existing
 from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.core.runner import open_private_log, redact
-from dsv4_offload.weights import downloads, hubs
+from dsv4_offload.weights import downloads, history, hubs
 from dsv4_offload.weights import weightlock as wlock
 from dsv4_offload.weights.checkpoint import INDEX_FILE
 from dsv4_offload.workspace.context import StageContext
@@ -59,6 +58,8 @@ class DownloadOptions(StageOptions):
     local_dir_only: bool = False  # no traffic: check what is on disk
     repair: bool = False  # fetch again the files whose digest failed
     streams: int | None = None  # files at once (default: weights.streams)
+    lock: str | None = None  # a weights lock to share (another host's weights.lock.json)
+    update: str | None = None  # one weight set whose lock entry moves to today's resolution
 
 
 Options = DownloadOptions
@@ -79,6 +80,9 @@ class SetReport:
     extra: list[str] = field(default_factory=list)
     problems: list[Problem] = field(default_factory=list)
     moved_to: str | None = None  # drift: the commit the revision moved to (not fetched)
+    updated_from: dict[str, Any] | None = None  # --update: the lock entry before
+    commit: history.Commit | None = None  # what the revision resolved to through the history
+    head: history.Commit | None = None  # where the branch points today (status reads it)
 
     @property
     def ok(self) -> bool:
@@ -181,17 +185,35 @@ def run(ctx: StageContext) -> StageResult:
     sets = requested_sets(ctx)
     stall_seconds()  # a bad value is refused before any traffic
     streams(ctx)
+    options = ctx.options_as(DownloadOptions)
+    if options.update is not None and options.update not in sets:
+        raise InputError(f"download --update {options.update}: give a weight set this run "
+                         f"downloads ({', '.join(sets)})")
+    if options.update is not None and options.lock is not None:
+        raise InputError("download: --update moves this workspace's lock, --lock takes another "
+                         "one; give one of them")
     log = DownloadLog(ctx.log_dir / "download.log")
+    if options.lock is not None:  # a fleet's lock: its commits become this workspace's
+        taken = wlock.adopt_file(Path(options.lock), wlock.lock_path(ctx.workspace.root),
+                                 {n: _spec_key(ctx, n) for n in sets})
+        log.write(f"lock: took {', '.join(taken)} from {options.lock}")
     with hubs.client_output_to(log.path), _loopback_bypass(ctx, sets, log):
         reports = [download_set(ctx, name, log) for name in sets]
     locked = _lock(ctx, reports)
+    for r in reports:
+        if r.updated_from is not None and r.ok:
+            r.problems.append(wlock.update_problem(r.name, _spec_key(ctx, r.name),
+                                                  r.updated_from, locked))
     problems = [p for r in reports for p in r.problems]
     data = {r.name: _report_data(ctx, r) for r in reports}
     outputs = _outputs(ctx, reports)
-    pair = _pair_problem(ctx, locked)
-    if pair is not None:
+    pair = wlock.pair_problem(locked.get(_spec_key(ctx, "w8a8")),
+                              locked.get(_spec_key(ctx, "mxfp4")))
+    if pair is not None and pair.severity == "error":
         return StageResult(Status.FAILED, pair.message.split(";")[0], data=data,
                            problems=[*problems, pair], log=str(log.path))
+    if pair is not None:
+        problems.append(pair)
     if not all(r.ok for r in reports):
         bad = [r.name for r in reports if not r.ok]
         return StageResult(Status.FAILED, f"weights not complete: {', '.join(bad)}", data=data,
@@ -211,6 +233,12 @@ def run(ctx: StageContext) -> StageResult:
                        log=str(log.path))
 
 
+def _spec_key(ctx: StageContext, name: str) -> str:
+    """The lock's key of the recipe's weight set ``name``."""
+    spec = getattr(ctx.recipe.weights, name)
+    return wlock.key(spec.hub, spec.repo_id, spec.revision)
+
+
 def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
     """Record what each verified set resolved to and its base model (weights.lock.json)."""
     path = wlock.lock_path(ctx.workspace.root)
@@ -222,39 +250,34 @@ def _lock(ctx: StageContext, reports: list[SetReport]) -> dict[str, Any]:
         entry_key = wlock.key(listing.hub, listing.repo_id, listing.revision)
         old = doc.get(entry_key)
         old = old if isinstance(old, dict) else {}
+        # the same state as locked: the same commit, or (a lock written before commits were
+        # resolved on ModelScope) the same listing
+        same = old.get("resolved") == listing.resolved \
+            or old.get("identity") == f"listing:{listing.digest()}"
+        committed = r.commit.date if r.commit and r.commit.sha == listing.resolved \
+            else old.get("committed")
         doc[entry_key] = {
             "set": r.name, "hub": listing.hub, "repo_id": listing.repo_id,
-            "revision": listing.revision, "resolved": listing.resolved,
+            "revision": listing.revision,
+            "not_after": spec.not_after.isoformat() if spec.not_after else None,
+            "resolved": listing.resolved, "committed": committed,
             "listing_digest": listing.digest(),
             "identity": wlock.identity(listing.resolved, listing.digest()),
-            "locked": old.get("locked") or now_iso(),
+            "locked": (old.get("locked") if same or r.moved_to else None) or now_iso(),
             # drift: where the revision points now, while the locked commit was fetched
             **({"revision_moved_to": r.moved_to} if r.moved_to else {}),
+            # a fleet's lock (--lock FILE) this entry came from
+            **({"from_lock": old["from_lock"]} if old.get("from_lock") and (same or r.moved_to)
+               else {}),
+            # the branch's head as last seen, for `status` (which never asks the hub)
+            **({"head": {"commit": r.head.sha, "committed": r.head.date, "seen": now_iso()}}
+               if r.head else {"head": old["head"]} if isinstance(old.get("head"), dict)
+               else {}),
             "base_model": wlock.base_model(ctx.workspace.weights_dir(ctx.recipe, r.name),
                                            spec.repo_id, is_source=r.name == "mxfp4")}
     if any(r.ok for r in reports):
         atomic_write_json(path, doc)
     return doc
-
-
-def _pair_problem(ctx: StageContext, doc: dict[str, Any]) -> Problem | None:
-    """The two sets' base models, as locked for the recipe's repos and revisions, compared."""
-    bases = {}
-    for name in WEIGHT_SETS:
-        spec = getattr(ctx.recipe.weights, name)
-        entry = doc.get(wlock.key(spec.hub, spec.repo_id, spec.revision))
-        if isinstance(entry, dict) and isinstance(entry.get("base_model"), dict):
-            bases[name] = entry["base_model"]
-    if len(bases) < 2:
-        return None
-    why = wlock.mismatch(bases["w8a8"], bases["mxfp4"])
-    if why is None:
-        return None
-    return Problem("error", f"the weight sets are not one model: {why}; refused before "
-                   "conversion (the server would answer garbage with no error)",
-                   fix="use the official W8A8 of this exact model (brief: it shares the "
-                   "quarot base with the MXFP4 experts): pin both weights.*.revision to "
-                   "matching releases", check="pair")
 
 
 def _report_data(ctx: StageContext, r: SetReport) -> dict[str, Any]:
@@ -312,12 +335,10 @@ def _locked_listing(ctx: StageContext, name: str, listing: hubs.HubListing,
                     log: DownloadLog) -> hubs.HubListing | None:
     """Drift: the revision now resolves to another commit than the lock holds.
 
-    The Hub serves any commit by its sha (``revision=<sha>``): the locked commit is listed
-    and fetched instead, with a warning. ModelScope's client would take a commit sha
-    (modelscope_hub/api.py:1755 and :1520, modelscope 1.40.2: "Branch, tag or commit SHA"),
-    but names no commit for a branch (its listing keeps path, size, blob id, sha256, type,
-    date and lfs: api.py:1779-1787), so the lock holds a listing digest there, not a commit
-    to ask for: refused, as before.
+    Both hubs serve any commit by its sha (huggingface_hub ``revision=<sha>``; modelscope_hub
+    api.py:1519-1520 and :1755, "Branch, tag or commit SHA"): the locked commit is listed
+    and fetched instead, with a warning. A lock written before ModelScope's commits were
+    resolved holds a listing digest there, no commit to ask for: refused, as before.
     """
     spec = getattr(ctx.recipe.weights, name)
     lock_file = wlock.lock_path(ctx.workspace.root)
@@ -327,14 +348,16 @@ def _locked_listing(ctx: StageContext, name: str, listing: hubs.HubListing,
         f"on {since}"
     entry = wlock.key(spec.hub, spec.repo_id, spec.revision)
     move = (f"to move on purpose, pin the new commit (--set weights.{name}.revision="
-            f"{listing.resolved}) and download both sets again, so that they stay one model"
+            f"{listing.resolved}) or run `dsv4-offload download --update {name}`, and download "
+            "both sets again, so that they stay one model"
             if listing.resolved else
             f"to move on purpose, delete the entry '{entry}' from {lock_file} and download "
             "both sets again, so that they stay one model")
     sha = locked.get("resolved")
-    if spec.hub == "huggingface" and isinstance(sha, str) and sha:
+    if isinstance(sha, str) and sha:
         try:
-            pinned = hubs.list_files(spec.hub, spec.repo_id, sha, spec.allow_patterns, endpoint)
+            pinned = hubs.list_files(spec.hub, spec.repo_id, spec.revision, spec.allow_patterns,
+                                     endpoint, commit=sha)
         except InputError as exc:
             report.problems.append(Problem(
                 "error", f"{what}, and the locked commit cannot be listed any more ({exc})",
@@ -346,14 +369,13 @@ def _locked_listing(ctx: StageContext, name: str, listing: hubs.HubListing,
             "warning", f"{what}: the branch moved; fetching the locked commit {sha} instead "
             "(a W8A8 set of one base with MXFP4 experts of another serves garbage)",
             fix=move[0].upper() + move[1:], check="drift"))
-        # the recipe's revision stays the lock's key; the commit is what is fetched
-        return dataclasses.replace(pinned, revision=spec.revision)
+        return pinned
     report.problems.append(Problem(
         "error", f"{what} (drift: the hub moved; a W8A8 set of one base with MXFP4 experts of "
-        "another serves garbage); ModelScope cannot fetch the locked state: its listing names "
-        "no commit, so the lock holds a listing digest, not a commit to ask for",
-        fix=f"pin a tag or commit of the old weights if the repo has one (weights.{name}."
-        f"revision), or {move}", check="drift"))
+        "another serves garbage); the lock cannot fetch the locked state: it holds a listing "
+        "digest from before ModelScope commits were resolved, not a commit to ask for",
+        fix=f"pin a commit of the old weights if you know it (weights.{name}.revision), or "
+        f"{move}", check="drift"))
     return None
 
 
@@ -374,10 +396,17 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
         log.write(f"{name}: offline, using the listing recorded {record.get('listed')}")
     else:
         endpoint = hubs.resolve_endpoint(spec.hub, endpoint_override(ctx, spec.hub))
-        log.write(f"{name}: listing {spec.hub} {spec.repo_id}@{spec.revision} at {endpoint}")
+        rule = f" as of {spec.not_after.isoformat()}" if spec.not_after and not spec.is_commit \
+            else ""
+        log.write(f"{name}: resolving {spec.hub} {spec.repo_id}@{spec.revision}{rule} at "
+                  f"{endpoint}")
         try:
+            report.commit, report.head = history.resolve(spec.hub, spec.repo_id,
+                                                         spec.revision, spec.not_after, endpoint)
+            log.write(f"{name}: {spec.revision}{rule} is commit {report.commit.sha} of "
+                      f"{report.commit.date or 'an unknown date'}; listing it")
             listing = hubs.list_files(spec.hub, spec.repo_id, spec.revision,
-                                      spec.allow_patterns, endpoint)
+                                      spec.allow_patterns, endpoint, commit=report.commit.sha)
         except hubs.HubError as exc:
             said = proxies.hint(os.environ)
             if said and not proxies.is_loopback(proxies.host_of(endpoint)):
@@ -387,9 +416,21 @@ def download_set(ctx: StageContext, name: str, log: DownloadLog) -> SetReport:
 
         log.write(f"{name}: {len(listing.files)} files, {listing.total_bytes} B, "
                   f"resolved {listing.resolved or '-'}, listing digest {listing.digest()}")
+        if not spec.is_commit and spec.not_after is None:
+            report.problems.append(Problem(
+                "warning", f"{name}: {spec.repo_id}@{spec.revision} has no date rule: it "
+                f"resolved to the branch's head today ({listing.resolved}, "
+                f"{report.commit.date if report.commit else '?'}); a host set up later may get "
+                "other weights from the same recipe",
+                fix=f"give weights.{name}.not_after (the bundled recipes use the delivery's "
+                f"date, 2026-08-06) or a full commit as weights.{name}.revision",
+                check="pin"))
         locked = wlock.read_lock(wlock.lock_path(ctx.workspace.root)).get(
             wlock.key(spec.hub, spec.repo_id, spec.revision))
-        was = wlock.drift(locked, wlock.identity(listing.resolved, listing.digest()))
+        if options.update == name:  # moving on deliberately: today's resolution wins
+            report.updated_from = locked if isinstance(locked, dict) else {}
+            locked = None
+        was = wlock.drift(locked, listing.resolved, listing.digest())
         if was is not None and locked is not None:
             pinned = _locked_listing(ctx, name, listing, locked, was, endpoint, report, log)
             if pinned is None:

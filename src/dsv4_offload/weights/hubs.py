@@ -144,7 +144,7 @@ def offline_by_env(hub: str) -> bool:
     return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
 
 
-def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
+def unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
     reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
     return HubError(
         f"cannot list {repo_id} on {hub} at {redact(endpoint)} "
@@ -154,7 +154,7 @@ def _unreachable(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> H
     )
 
 
-def _not_a_listing(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
+def not_a_listing(hub: str, repo_id: str, endpoint: str, exc: BaseException) -> HubError:
     reason = redact(str(exc).splitlines()[0]) if str(exc) else type(exc).__name__
     return HubError(
         f"{hub} at {redact(endpoint)} answered the listing of {repo_id} with something that "
@@ -183,14 +183,22 @@ def filter_paths(paths: list[str], allow_patterns: list[str]) -> list[str]:
 
 
 def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
-               endpoint: str) -> HubListing:
-    """Ask the hub which files ``revision`` holds (after the allow patterns)."""
+               endpoint: str, commit: str | None = None) -> HubListing:
+    """Ask the hub which files ``revision`` holds (after the allow patterns); at ``commit``
+    when given (weights/history.py resolved it), the listing keeping ``revision``'s name."""
     if hub == "huggingface":
-        listing = _list_huggingface(repo_id, revision, endpoint)
+        listing = _list_huggingface(repo_id, commit or revision, endpoint)
     elif hub == "modelscope":
-        listing = _list_modelscope(repo_id, revision, endpoint)
+        listing = _list_modelscope(repo_id, commit or revision, endpoint)
     else:  # the recipe model only admits HUBS
         raise InputError(f"unknown hub '{hub}'; use one of {list(HUBS)}")
+    if commit is not None:
+        if listing.resolved not in (None, commit):
+            raise HubError(f"{redact(endpoint)}: {repo_id} listed at commit {commit} answers "
+                           f"for commit {listing.resolved}",
+                           hint="the hub or a mirror in between serves another commit than "
+                           "asked; try another --endpoint")
+        listing.revision, listing.resolved = revision, commit
     where = f"{hub} listing of {repo_id}@{revision} at {redact(endpoint)}"
     for f in listing.files:
         listed_path(f.path, where)
@@ -227,14 +235,14 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
         raise InputError(f"{repo_id} not found on huggingface at {redact(endpoint)} (or it is "
                          "gated: log in with `hf auth login`); fix weights.*.repo_id") from None
     except (HfHubHTTPError, OSError) as exc:
-        raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+        raise unreachable("huggingface", repo_id, endpoint, exc) from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
+        raise not_a_listing("huggingface", repo_id, endpoint, exc) from None
     except Exception as exc:
         # transport errors (connect, timeout) come from the client's httpx-family package,
         # whose name changes between huggingface_hub releases; match it by module
         if type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore")):
-            raise _unreachable("huggingface", repo_id, endpoint, exc) from None
+            raise unreachable("huggingface", repo_id, endpoint, exc) from None
         raise
     files = []
     try:
@@ -244,7 +252,7 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
             sha = e.lfs.sha256 if e.lfs is not None else None
             files.append(_listed_file(e.path, e.size, sha, None if sha else e.blob_id))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _not_a_listing("huggingface", repo_id, endpoint, exc) from None
+        raise not_a_listing("huggingface", repo_id, endpoint, exc) from None
     return HubListing("huggingface", repo_id, revision, info.sha, endpoint, files)
 
 
@@ -260,19 +268,19 @@ def _list_modelscope(repo_id: str, revision: str, endpoint: str) -> HubListing:
                          "weights.*.repo_id / revision in the recipe") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # before requests':
         # its JSONDecodeError is a RequestException too
-        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
+        raise not_a_listing("modelscope", repo_id, endpoint, exc) from None
     except (requests.RequestException, OSError) as exc:
-        raise _unreachable("modelscope", repo_id, endpoint, exc) from None
+        raise unreachable("modelscope", repo_id, endpoint, exc) from None
     except Exception as exc:
         if type(exc).__module__.startswith("modelscope_hub"):
-            raise _unreachable("modelscope", repo_id, endpoint, exc) from None
+            raise unreachable("modelscope", repo_id, endpoint, exc) from None
         raise
     try:
         files = [_listed_file(e.path, e.size, (e.sha256 or "").lower() or None, None)
                  for e in entries if getattr(e, "type", "blob") != "tree"]
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise _not_a_listing("modelscope", repo_id, endpoint, exc) from None
-    # ModelScope's listing names no repo-wide commit; the listing digest stands in for it
+        raise not_a_listing("modelscope", repo_id, endpoint, exc) from None
+    # the listing names no repo-wide commit: list_files() records the one history resolved
     return HubListing("modelscope", repo_id, revision, None, endpoint, files)
 
 
@@ -296,6 +304,10 @@ def client_output_to(log: Path) -> Iterator[None]:
             return redact(super().format(record))
 
     open_private_log(log).close()  # 0600 before the handler appends to it
+    # huggingface_hub gives its logger a stderr handler when first imported
+    # (utils/logging.py:179): import it before the swap, or that handler comes back
+    with contextlib.suppress(ImportError):
+        import huggingface_hub.utils.logging  # noqa: F401
     handler = logging.FileHandler(log, encoding="utf-8")
     handler.setFormatter(Redacting("%(asctime)s %(name)s %(levelname)s %(message)s"))
     saved = []
@@ -506,5 +518,8 @@ def _fetch_one_modelscope(listing: HubListing, f: HubFile, local_dir: Path,
     from modelscope_hub.api import HubApi
 
     HubApi(endpoint=listing.endpoint).download_file(
-        listing.repo_id, "model", f.path, revision=listing.revision, cache_dir=cache_dir,
+        # the resolved commit (modelscope_hub api.py:1519-1520: "Branch, tag or commit
+        # SHA"), so a branch moving mid-download cannot mix snapshots
+        listing.repo_id, "model", f.path, revision=listing.resolved or listing.revision,
+        cache_dir=cache_dir,
         local_dir=local_dir, expected_sha256=f.sha256, file_size=f.size)
