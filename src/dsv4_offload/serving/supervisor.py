@@ -131,9 +131,14 @@ def _first_fatal(lines: list[str]) -> tuple[FatalPattern | None, str]:
 # --- process groups -------------------------------------------------------------------------
 
 
-def group_alive(pgid: int, since: int | None = None) -> bool:
-    """Has process group ``pgid`` a live member (started at or after ``since``, when given)?
-    killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
+def group_alive(pgid: int, since: int | None = None, mark: str | None = None) -> bool:
+    """Has our process group ``pgid`` a live member? Without ``since`` (the group of a child
+    we have not reaped, so its id is still ours) any member counts; with it (the recorded
+    start of its leader) only members proven ours (core/procs.owned_members, by ``mark``
+    once the leader is gone). killpg(0) also succeeds for zombies: a group of zombies only
+    is as good as gone."""
+    if since is not None:
+        return bool(procs.owned_members(pgid, since, mark))
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -142,26 +147,29 @@ def group_alive(pgid: int, since: int | None = None) -> bool:
         return True
     if not procs.PROC.is_dir():
         return True
-    return bool(procs.group_members(pgid, since))
+    return bool(procs.group_members(pgid))
 
 
 def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | None = None,
-               since: int | None = None) -> str:
+               since: int | None = None, mark: str | None = None) -> str:
     """SIGINT, then SIGTERM, then SIGKILL on the group, each after a wait; the one that did it.
-    ``since``: the recorded start of its leader, so a reused group id is left alone."""
+    ``since``/``mark``: the recorded start of its leader and the mark its members carry, so
+    only processes proven ours are signalled (a reused group id is left alone)."""
     for sig, wait in ((signal.SIGINT, interrupt_wait), (signal.SIGTERM, SIGTERM_WAIT_S),
                       (signal.SIGKILL, SIGKILL_WAIT_S)):
-        if since is not None and not group_alive(pgid, since):
-            return "already stopped"
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return "already stopped"
+        if since is not None:
+            if not procs.signal_owned(pgid, since, mark, sig):
+                return "already stopped"
+        else:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return "already stopped"
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if reap is not None:
                 reap()
-            if not group_alive(pgid, since):
+            if not group_alive(pgid, since, mark):
                 return sig.name
             time.sleep(0.05)
     return "SIGKILL (still listed)"
@@ -378,6 +386,9 @@ class ServeRecord:
     server_start_time: int | None = None
     server_cmdline: list[str] = field(default_factory=list)
     supervisor_start_time: int | None = None
+    # what the server's group carries in its environment (core/procs.own_mark of the process
+    # that started it): proves its members ours once the server itself is gone
+    group_mark: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -388,9 +399,10 @@ class ServeRecord:
             return False
         if pid_alive(self.server_pid, self.server_start_time):
             return True
-        # the leader gone, members of its group (sglang's schedulers) may still run
-        return self.server_start_time is not None and group_alive(self.server_pid,
-                                                                  self.server_start_time)
+        # the leader gone, members of its group (sglang's schedulers) may still run: those
+        # carrying its mark; a newcomer holding the pid (or leading a group of that id) is not
+        return self.server_start_time is not None and group_alive(
+            self.server_pid, self.server_start_time, self.group_mark)
 
     def supervisor_alive(self) -> bool:
         return pid_alive(self.supervisor_pid, self.supervisor_start_time)
@@ -460,7 +472,7 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
     if record.server_pid and record.server_alive():
         # by pid and start time, with or without its supervisor
         how = stop_group(record.server_pid, interrupt_wait=interrupt_wait,
-                         since=record.server_start_time)
+                         since=record.server_start_time, mark=record.group_mark)
     deadline = time.monotonic() + SIGTERM_WAIT_S
     while record.supervisor_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -503,7 +515,7 @@ def supervise(spec: dict[str, Any]) -> int:
                          now_iso(), "running", None, spec.get("kt_num_gpu_experts"),
                          spec.get("extra", {}), server_start_time=server_id.start_time,
                          server_cmdline=server.masked(server_id.cmdline),
-                         supervisor_start_time=me.start_time)
+                         supervisor_start_time=me.start_time, group_mark=procs.own_mark())
     write_record(record_path, record)
     while server.poll() is None and not stopping.is_set():
         time.sleep(0.1)
