@@ -30,6 +30,7 @@ from dsv4_offload.weights.conversion import (
     DISK_FIX,
     Bars,
     LayerOutcome,
+    claim_layer_files,
     convert_layer,
     default_jobs,
     disk_shortfall,
@@ -200,8 +201,9 @@ def run(ctx: StageContext) -> StageResult:
     jobs = min(jobs, len(work))
     t0 = time.monotonic()
     bars = Bars(ctx, need, t0)
-    for _layout, final in work:  # until it is rewritten, a file vouches for no source
-        record_layer_source(out_dir, final.name, None)
+    # the old files go and the new ones' sources are on record before any takes its final
+    # name: a kill just after a rename leaves a complete file the rerun keeps
+    claim_layer_files(out_dir, {final.name: sources[layout.layer] for layout, final in work})
 
     def done(outcome: LayerOutcome) -> None:
         record_layer_source(out_dir, Path(outcome.path).name, sources[outcome.layer])
