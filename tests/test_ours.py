@@ -133,3 +133,35 @@ def test_what_is_left_of_our_group_is_found_by_its_mark_alone(tmp_path: Path) ->
     finally:
         if procs.alive(orphan):
             os.kill(orphan, signal.SIGKILL)
+
+
+def test_a_foreground_server_has_the_one_record_status_and_stop_agree_on(
+        tmp_path: Path, no_leftovers: str) -> None:
+    from test_serve_cli import _standin_cli, _wait_http
+
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    cmd, env = _standin_cli(ws.root, no_leftovers, port)
+    proc = subprocess.Popen([*cmd, "serve"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    base = ["--workspace", str(ws.root), *cmd[cmd.index("-r"):]]
+    try:
+        _wait_http(f"http://127.0.0.1:{port}/health")
+        status = run_cli(*base, "--json", "serve", "status", env=host_env("x86-no-npu"))
+        assert status.code == 0, status
+        assert status.json()["data"]["running"] and status.json()["data"]["healthy"]
+        stages = {s["name"]: s for s in run_cli(*base, "--json", "status").json()["data"]["stages"]}
+        assert stages["serve"]["state"] == "running", stages["serve"]
+        stopped = run_cli(*base, "serve", "stop", env=host_env("x86-no-npu"))
+        assert stopped.code == 0 and "stopped pid" in stopped.out, stopped
+        out, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, err
+    assert "stopped by `dsv4-offload serve stop`" in out + err
+    after = run_cli(*base, "serve", "status", env=host_env("x86-no-npu"))
+    assert after.code == 1 and "not running (stopped" in after.out, after
+    stages = {s["name"]: s for s in run_cli(*base, "--json", "status").json()["data"]["stages"]}
+    assert stages["serve"]["state"] != "running", stages["serve"]
+    assert not leftovers(no_leftovers)

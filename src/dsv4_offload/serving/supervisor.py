@@ -389,6 +389,9 @@ class ServeRecord:
     # what the server's group carries in its environment (core/procs.own_mark of the process
     # that started it): proves its members ours once the server itself is gone
     group_mark: str | None = None
+    # the server runs in the foreground of the tool itself (its "supervisor"): `serve stop`
+    # stops the server, and the tool, waiting on it, closes the record and exits by itself
+    foreground: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -470,19 +473,53 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
         return None, "no server record"
     how = "not running"
     if record.server_pid and record.server_alive():
+        # said before the signal: a foreground `serve` waiting on it tells a stop from a crash
+        record.state = "stopping"
+        write_record(path, record)
         # by pid and start time, with or without its supervisor
         how = stop_group(record.server_pid, interrupt_wait=interrupt_wait,
                          since=record.server_start_time, mark=record.group_mark)
     deadline = time.monotonic() + SIGTERM_WAIT_S
     while record.supervisor_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if record.supervisor_alive():
+    # a foreground `serve` is the user's own command (its group may hold their pipeline):
+    # never signalled, it exits once its server is gone
+    if record.supervisor_alive() and not record.foreground:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.supervisor_pid, signal.SIGKILL)
     fresh = read_record(path) or record
     fresh.state = "stopped"
     write_record(path, fresh)
     return fresh, how
+
+
+def record_foreground(path: Path, server: ServerProcess, url: str, experts: int | None,
+                      extra: dict[str, Any]) -> None:
+    """Record the server this process runs in the foreground, as the supervisor records a
+    detached one: `status`, `serve status` and `serve stop` read the same record."""
+    from dsv4_offload.core.clock import now_iso
+
+    me, server_id = procs.identity(), procs.identity(server.pid)
+    write_record(path, ServeRecord(
+        me.pid, server.pid, url, str(server.log), list(server.argv), now_iso(), "running", None,
+        experts, extra, server_start_time=server_id.start_time,
+        server_cmdline=server.masked(server_id.cmdline), supervisor_start_time=me.start_time,
+        group_mark=procs.own_mark(), foreground=True))
+
+
+def close_foreground(path: Path, server_pid: int, code: int | None) -> bool:
+    """Write how the foreground server ``server_pid`` ended; True when `serve stop` stopped
+    it. A record of another server (a later one) is left alone."""
+    try:
+        record = read_record(path)
+    except InputError:
+        return False
+    if record is None or record.server_pid != server_pid or record.supervisor_pid != os.getpid():
+        return False
+    stopped = record.state in ("stopping", "stopped")
+    record.state, record.exit_code = ("stopped" if stopped else "exited"), code
+    write_record(path, record)
+    return stopped
 
 
 def supervise(spec: dict[str, Any]) -> int:
