@@ -4,11 +4,14 @@ kept), nothing half-written is taken as done, no process of ours is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -29,18 +32,50 @@ W8A8_REPO = "sgl-npu/DeepSeek-V4-Flash-W8A8"
 KILLPOINT = TESTS / "killpoint.py"
 
 
+TAG = "DSV4_TEST_KILL_MATRIX"  # in the environment of the killed run and all it starts
+
+
 @pytest.fixture(autouse=True)
 def _client_homes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     isolate_clients(tmp_path, monkeypatch)
 
 
-def killed_at(spec: str, *args: str, env: dict[str, str] | None = None
-              ) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(autouse=True)
+def _nothing_left_and_no_bystander_hit(tmp_path: Path) -> Iterator[None]:
+    """A process not ours (its own group, beside the run) survives every kill and rerun, and
+    no process of the killed run is left once its rerun is over."""
+    bystander = subprocess.Popen(["sleep", "300"], start_new_session=True)
+    try:
+        yield
+        deadline = time.monotonic() + 10
+        while ours_left(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ours_left(tmp_path) == [], "processes of the killed run are left"
+        assert bystander.poll() is None, "a process not ours was signalled"
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+def ours_left(tmp_path: Path) -> list[int]:
+    """Live processes carrying this test's tag in their environment."""
+    mark = f"{TAG}={tmp_path}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            with contextlib.suppress(OSError):
+                if mark in (entry / "environ").read_bytes().split(b"\0") and \
+                        (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    found.append(int(entry.name))
+    return found
+
+
+def killed_at(spec: str, *args: str, tag: Path) -> subprocess.CompletedProcess[str]:
     """The CLI run with ``args``, killed at ``spec`` (tests/killpoint.py)."""
-    full = {**os.environ, **(env or {})}
+    full = {**os.environ, TAG: str(tag)}
     full.pop("DSV4_WORKSPACE", None)
     return subprocess.run([sys.executable, str(KILLPOINT), spec, "--", *args], env=full,
-                          capture_output=True, text=True, timeout=300,
+                          capture_output=True, text=True, timeout=120,
                           stdin=subprocess.DEVNULL)
 
 
@@ -89,7 +124,7 @@ def test_convert_killed_after_a_rename_keeps_the_layer(tmp_path: Path, source: P
                                                        kept: int | None) -> None:
     ws = tmp_path / "ws"
     args = ("-w", str(ws), "convert", "--source", str(source), "-j", "1")
-    killed = killed_at(spec, *args)
+    killed = killed_at(spec, *args, tag=tmp_path)
     assert killed.returncode in (-9, 130, 143), killed
     before = stamps(ws / "gguf")
     if kept is not None:  # SIGKILL: the files renamed so far are complete and stay
@@ -131,21 +166,24 @@ def _downloaded(ws: Path, source: Path) -> list[str]:
     return [a for s in sets for a in ("--set", s)]
 
 
-FOLLOW_POINTS = ["replace:.gguf:1:KILL", "replace:.gguf:2:KILL", "after:layer.converted:1:KILL",
-                 "before:layer.verified:1:KILL", "after:layer.verified:2:KILL",
-                 "before:layer.started:2:KILL", "after:layer.converted:1:TERM"]
+# with two jobs the layers are written by worker processes: the kill is the parent's
+FOLLOW_POINTS = [("replace:.gguf:1:KILL", 1), ("replace:.gguf:2:KILL", 1),
+                 ("after:layer.converted:1:KILL", 1), ("before:layer.verified:1:KILL", 1),
+                 ("after:layer.verified:2:KILL", 1), ("before:layer.started:2:KILL", 1),
+                 ("after:layer.converted:1:TERM", 1), ("after:layer.started:2:KILL", 2),
+                 ("after:layer.verified:1:KILL", 2), ("after:layer.started:2:TERM", 2)]
 
 
-@pytest.mark.parametrize("spec", FOLLOW_POINTS)
+@pytest.mark.parametrize(("spec", "jobs"), FOLLOW_POINTS)
 def test_convert_follow_killed_anywhere_redoes_no_complete_layer(
-        tmp_path: Path, source: Path, reference: dict[str, str], spec: str) -> None:
+        tmp_path: Path, source: Path, reference: dict[str, str], spec: str, jobs: int) -> None:
     ws = tmp_path / "ws"
     sets = _downloaded(ws, source)
-    args = ("-w", str(ws), *sets, "--json", "convert", "--follow", "-j", "1")
-    killed = killed_at(spec, *args)
+    args = ("-w", str(ws), *sets, "--json", "convert", "--follow", "-j", str(jobs))
+    killed = killed_at(spec, *args, tag=tmp_path)
     assert killed.returncode in (-9, 130, 143), killed
     before = stamps(ws / "gguf")
-    assert before or "started:2" not in spec
+    assert before or "started:2" not in spec or jobs > 1
     again = run_cli(*args)
     assert again.code == 0, again
     data = again.json()["data"]["data"]
@@ -157,3 +195,86 @@ def test_convert_follow_killed_anywhere_redoes_no_complete_layer(
     checks = json.loads((ws / "gguf" / ".dsv4-layer-checks.json").read_text())
     assert sorted(checks) == sorted(reference)
     assert not list((ws / "gguf").glob("*.tmp"))
+
+
+# --- download: killed around the files it verifies ----------------------------------------
+
+
+DOWNLOAD_POINTS = ["after:file.verified:1:KILL", "before:file.verified:3:KILL",
+                   "after:file.verified:4:KILL", "after:file.verified:2:TERM",
+                   "before:stage.done:1:KILL", "after:stage.started:1:KILL"]
+
+
+def _weights(ws: Path, sets: list[str]) -> Path:
+    recipe, _series = load_recipe_and_series(None, [s for s in sets if s != "--set"])
+    return Workspace(ws).weights_dir(recipe, "mxfp4")
+
+
+@pytest.mark.parametrize("spec", DOWNLOAD_POINTS)
+def test_download_killed_anywhere_fetches_no_verified_file_again(tmp_path: Path, source: Path,
+                                                                 spec: str) -> None:
+    ws = tmp_path / "ws"
+    mxfp4, w8a8 = _repos(source)
+    sets = [a for s in _sizes(mxfp4, w8a8) for a in ("--set", s)]
+    record = ws / ".dsv4" / "weights" / "mxfp4.json"
+    with StandinHub([mxfp4, w8a8]) as hub:
+        args = ("-w", str(ws), *sets, "--json", "download", "mxfp4", "--endpoint", hub.url)
+        killed = killed_at(spec, *args, tag=tmp_path)
+        assert killed.returncode in (-9, 130, 143), killed
+        verified = json.loads(record.read_text())["verified"] if record.exists() else {}
+        files = _weights(ws, sets)
+        kept = {name: ((files / name).stat().st_ino, (files / name).stat().st_mtime_ns)
+                for name in verified}
+        hub.requests.clear()
+        again = run_cli(*args)
+        assert again.code == 0, again
+        fetched = {path for (_repo, path), n in hub.sent_by_file().items() if n}
+    assert not fetched & set(verified), fetched & set(verified)
+    assert {name: ((files / name).stat().st_ino, (files / name).stat().st_mtime_ns)
+            for name in verified} == kept, "a verified file was written again"
+    for name, data in mxfp4.files.items():
+        assert (files / name).read_bytes() == data, name
+    status = run_cli("-w", str(ws), *sets, "--json", "status").json()["data"]["stages"]
+    assert {s["name"]: s["state"] for s in status}["download"] == "done"
+
+
+# --- verify-gguf: killed before its record is written -------------------------------------
+
+
+# its record is written just before `stage.done` (so killed there it is done, and must be
+# whole); the manifest is its last write before the record
+VERIFY_POINTS = ["after:stage.started:1:KILL", "replace:gguf-sha256.txt:1:KILL",
+                 "before:stage.done:1:KILL", "after:stage.started:1:TERM",
+                 "replace:gguf-sha256.txt:1:TERM"]
+
+
+def _manifest(gguf: Path) -> dict[str, str]:
+    path = gguf / "gguf-sha256.txt"
+    if not path.exists():
+        return {}
+    return {name.strip(): digest for digest, name in
+            (line.split(maxsplit=1) for line in path.read_text().splitlines() if line.strip())}
+
+
+@pytest.mark.parametrize("spec", VERIFY_POINTS)
+def test_verify_gguf_killed_anywhere_is_not_taken_as_done(tmp_path: Path, source: Path,
+                                                          reference: dict[str, str],
+                                                          spec: str) -> None:
+    ws = tmp_path / "ws"
+    made = run_cli("-w", str(ws), "convert", "--source", str(source), "-j", "1")
+    assert made.code == 0, made
+    before = stamps(ws / "gguf")
+    args = ("-w", str(ws), "--json", "verify-gguf", "--no-kernel", "--source", str(source))
+    killed = killed_at(spec, *args, tag=tmp_path)
+    assert killed.returncode in (-9, 130, 143), killed
+    status = run_cli("-w", str(ws), "--json", "status").json()["data"]["stages"]
+    if {s["name"]: s["state"] for s in status}["verify-gguf"] == "done":
+        assert _manifest(ws / "gguf") == reference  # taken as done only when it is whole
+    else:
+        assert "before:stage.done" not in spec
+    again = run_cli(*args)
+    assert again.code == 0, again
+    assert stamps(ws / "gguf") == before  # verifying never writes a layer file
+    assert digests(ws / "gguf") == reference
+    status = run_cli("-w", str(ws), "--json", "status").json()["data"]["stages"]
+    assert {s["name"]: s["state"] for s in status}["verify-gguf"] == "done"

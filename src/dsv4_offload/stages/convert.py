@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import multiprocessing
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -76,7 +77,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
     progress_queue, stop = mp.Queue(), mp.Event()
     outcomes: list[LayerOutcome] = []
     with cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=init_worker,
-                                initargs=(progress_queue, stop)) as pool:
+                                initargs=(progress_queue, stop, os.getpid())) as pool:
         futures = {}
         for layout, final in work:
             futures[pool.submit(_worker, str(source), layout, str(final))] = layout

@@ -360,14 +360,19 @@ _progress_queue: Any = None
 _stop: Any = None
 
 
-def init_worker(progress_queue: Any, stop: Any) -> None:
-    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert."""
+def init_worker(progress_queue: Any, stop: Any, parent: int | None = None) -> None:
+    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert.
+    ``parent``: the converting process's pid, to see whether it died before we armed."""
     import signal
 
     global _progress_queue, _stop
     _progress_queue, _stop = progress_queue, stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    if parent is not None and os.getppid() != parent:
+        # killed while we were starting: no death signal will come, and the queue we hold
+        # both ends of never ends; a worker with no parent has nothing to do
+        os._exit(1)
 
 
 def _die_with_parent() -> None:

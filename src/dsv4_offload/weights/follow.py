@@ -24,6 +24,7 @@ looks like one that has ended.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -106,7 +107,7 @@ class _Workers:
             mp = multiprocessing.get_context("spawn")  # fork is unsafe beside threads
             self._queue, self._stop = mp.Queue(), mp.Event()
             self._pool = cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=init_worker,
-                                                initargs=(self._queue, self._stop))
+                                                initargs=(self._queue, self._stop, os.getpid()))
 
     @property
     def busy(self) -> int:
