@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import TESTS, run_cli
+from conftest import HOST_RECIPE, TESTS, run_cli
+from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 from standin_hub import HubRepo, StandinHub, isolate_clients, tiny_model_repo
+from test_serve_cli import host_env
 
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.stages import download
@@ -278,3 +280,44 @@ def test_verify_gguf_killed_anywhere_is_not_taken_as_done(tmp_path: Path, source
     assert digests(ws / "gguf") == reference
     status = run_cli("-w", str(ws), "--json", "status").json()["data"]["stages"]
     assert {s["name"]: s["state"] for s in status}["verify-gguf"] == "done"
+
+
+# --- serve --detach: killed around its stage record ----------------------------------------
+
+
+SERVE_POINTS = ["after:stage.started:1:KILL", "before:stage.done:1:KILL",
+                "after:stage.started:1:TERM", "before:stage.done:1:TERM"]
+
+
+@pytest.mark.parametrize("spec", SERVE_POINTS)
+def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agree_on(
+        tmp_path: Path, no_leftovers: str, spec: str) -> None:
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
+            for a in ("--set", o)]
+    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
+    env = host_env("x86-no-npu")
+    killed = subprocess.run([sys.executable, str(KILLPOINT), spec, "--", *base, "serve",
+                             "--detach"], env={**os.environ, **env, TAG: str(tmp_path)},
+                            capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert killed.returncode in (-9, 130, 143), killed
+    try:
+        servers = [p for p in leftovers(no_leftovers)
+                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        status = run_cli(*base, "serve", "status", env=env)
+        assert (status.code == 0) == bool(servers), (status, servers)
+        again = run_cli(*base, "serve", "--detach", env=env)
+        assert again.code == 0, again
+        servers = [p for p in leftovers(no_leftovers)
+                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        assert len(servers) == 1, servers  # one server: a second never starts beside it
+        stages = {s["name"]: s for s in
+                  run_cli(*base, "--json", "status", env=env).json()["data"]["stages"]}
+        assert stages["serve"]["state"] == "done", stages["serve"]
+    finally:
+        stopped = run_cli(*base, "serve", "stop", env=env)
+    assert stopped.code == 0, stopped
+    after = run_cli(*base, "serve", "status", env=env)
+    assert after.code == 1, after

@@ -109,13 +109,16 @@ def through_a_file_error(path: Path) -> InputError | None:
 def denied_error(exc: OSError, root: Path | None = None) -> InputError:
     """The one line for a path this user may not read (or that runs through a file), from
     the ``OSError`` that said so: the access error under the workspace ``root``."""
-    path = Path(str(exc.filename or root or "."))
+    me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
+    if exc.filename is None:  # not a path (a signal to another user's process, ...)
+        return InputError(f"permission denied for {me} ({exc.strerror}); run as the user "
+                          f"who owns the workspace{f' {root}' if root else ''}")
+    path = Path(str(exc.filename))
     if isinstance(exc, NotADirectoryError):
         return through_a_file_error(path) or InputError(
             f"{path}: a directory on the way is a file; pick another --workspace DIR")
     if root is None or path == root or root in path.parents:
         return access_error(path, write=False)
-    me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
     return InputError(f"{path}: permission denied for {me} ({exc.strerror}); check its "
                       "owner and mode, or run as its owner")
 
