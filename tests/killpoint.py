@@ -4,6 +4,10 @@
 
 - ``before:KIND:N:SIG`` / ``after:KIND:N:SIG``: around the N-th event of KIND the process
   emits (core/events.emit: every stage calls it, run alone or in a pipelined run);
+- ``wbefore:KIND:N:SIG`` / ``wafter:KIND:N:SIG``: around the N-th event of KIND a pipelined
+  `run` writes itself (the scheduler's ``run.started``, ``stage.done`` ...);
+- ``seen:KIND:N:SIG``: right after a pipelined `run` has read the N-th event of KIND its
+  stage processes wrote;
 - ``replace:SUFFIX:N:SIG``: right after the N-th ``os.replace`` onto a name ending in SUFFIX
   (a layer file taking its final name: the window between the rename and what follows).
 
@@ -47,6 +51,30 @@ def _arm(spec: str) -> None:
         return
     from dsv4_offload.core import events
 
+    if where in ("wbefore", "wafter"):  # a pipelined run's own events, written directly
+        real_write = events.write
+
+        def write(path: Any, doc: dict[str, Any]) -> None:
+            matched = doc.get("event") == what and hit()
+            if matched and where == "wbefore":
+                fire()
+            real_write(path, doc)
+            if matched and where == "wafter":
+                fire()
+
+        events.write = write
+        return
+    if where == "seen":  # a pipelined run, right after it reads the N-th KIND of its stages
+        real_read = events.read_new
+
+        def read_new(path: Any, offset: int) -> tuple[list[dict[str, Any]], int]:
+            docs, offset = real_read(path, offset)
+            if any([doc.get("event") == what and hit() for doc in docs]):
+                fire()
+            return docs, offset
+
+        events.read_new = read_new
+        return
     real_emit = events.emit
 
     def emit(event: str, **fields: Any) -> None:

@@ -321,3 +321,45 @@ def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agr
     assert stopped.code == 0, stopped
     after = run_cli(*base, "serve", "status", env=env)
     assert after.code == 1, after
+
+
+# --- run: the pipelined run killed around the events it writes ---------------------------
+
+
+RUN_POINTS = ["wafter:run.started:1:KILL", "seen:stage.done:2:KILL", "seen:stage.started:4:KILL",
+              "seen:stage.done:6:KILL", "seen:stage.started:3:TERM"]
+
+
+def _records(ws: Path) -> dict[str, tuple[str, str]]:
+    state = json.loads((ws / ".dsv4" / "state.json").read_text())
+    return {name: (r.get("status", ""), r.get("started", ""))
+            for name, r in state.get("stages", {}).items()}
+
+
+@pytest.mark.parametrize("spec", RUN_POINTS)
+def test_run_killed_anywhere_redoes_no_done_stage(tmp_path: Path, fake_stages_env: dict[str, str],
+                                                 spec: str) -> None:
+    from conftest import SMALL_RECIPE
+
+    ws = tmp_path / "ws"
+    args = ("-r", str(SMALL_RECIPE), "-w", str(ws), "run")
+    env = {**os.environ, **fake_stages_env, TAG: str(tmp_path)}
+    env.pop("DSV4_WORKSPACE", None)
+    killed = subprocess.run([sys.executable, str(KILLPOINT), spec, "--", *args], env=env,
+                            capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert killed.returncode in (-9, 130, 143), killed
+    deadline = time.monotonic() + 15  # the stage processes die with the run
+    while ours_left(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ours_left(tmp_path) == []
+    done = {name: r for name, r in _records(ws).items() if r[0] == "done"} \
+        if (ws / ".dsv4" / "state.json").exists() else {}
+    status = run_cli(*args[:-1], "--json", "status", env=fake_stages_env)
+    states = {s["name"]: s["state"] for s in status.json()["data"]["stages"]}
+    assert "running" not in states.values(), states  # nothing of it runs any more
+    again = run_cli(*args, env=fake_stages_env)
+    assert again.code == 0, again
+    after = _records(ws)
+    assert {name: after[name] for name in done} == done, "a stage done before was redone"
+    assert all(status == "done" for status, _started in after.values()), after
