@@ -466,6 +466,20 @@ def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) 
     return child.pid
 
 
+def await_record(path: Path, supervisor_pid: int, timeout: float = 10.0) -> None:
+    """Until the detached supervisor ``supervisor_pid`` has recorded its server: on a busy
+    machine the server may answer before the supervisor has written the record, and a
+    `serve` that says ready must leave the record `serve status` and `stop` read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(supervisor_pid):
+        with contextlib.suppress(InputError):
+            record = read_record(path)
+            if record is not None and record.supervisor_pid == supervisor_pid \
+                    and record.server_pid:
+                return
+        time.sleep(0.05)
+
+
 def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None, str]:
     """Stop the recorded server's group (SIGINT, SIGTERM, SIGKILL) and its supervisor."""
     record = read_record(path)
