@@ -145,7 +145,8 @@ def test_a_real_commands_documents_parse_and_print_back_byte_for_byte(cli, tmp_p
 def test_every_internal_variable_is_named_in_the_protocol_module_alone() -> None:
     names = set(childrun.INTERNAL_ENV)
     assert names == {"DSV4_IN_CONTAINER", "DSV4_STAGE_OPTIONS", "DSV4_LOCK_HANDOFF",
-                     "DSV4_LENDER_PIPE", "DSV4_SCHEDULER_PID", "DSV4_EVENTS_FILE"}
+                     "DSV4_LENDER_PIPE", "DSV4_SCHEDULER_PID", "DSV4_EVENTS_FILE",
+                     "DSV4_GROUP_MARK"}
     defined = re.compile(r"""["'](DSV4_[A-Z_]+)["']""")
     elsewhere = {f"{path.relative_to(SRC)}: {name}"
                  for path in SRC.rglob("*.py") if path.name != "childrun.py"

@@ -200,6 +200,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
             rv = click_app(args=args, prog_name="dsv4-offload", standalone_mode=False)
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
+    except (PermissionError, NotADirectoryError) as exc:
+        # a path of a workspace this user may not read, met where no check said so first:
+        # still the one line (and the --json document), never a traceback
+        from dsv4_offload.workspace.store import Workspace, denied_error
+
+        root = Workspace.from_option(_workspace_given(found)).root
+        sys.exit(report_error(denied_error(exc, root), as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
         sys.exit(_interrupted(as_json, command))
     except usage_errors as exc:
@@ -213,6 +220,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # typer turns Ctrl-C into a plain exit code 130; still say what happened
         sys.exit(_interrupted(as_json, command))
     sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _workspace_given(found: list[str]) -> str | None:
+    """The value of -w/--workspace among the global option tokens, or None."""
+    for index, token in enumerate(found):
+        if token.startswith("--workspace="):
+            return token.split("=", 1)[1]
+        if token in ("-w", "--workspace") and index + 1 < len(found):
+            return found[index + 1]
+    return None
 
 
 def _interrupted(as_json: bool = False, command: str = "") -> int:

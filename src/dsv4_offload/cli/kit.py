@@ -45,8 +45,10 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
     """Recipe, series and workspace from the global options, as a StageContext with the
     command's options (the stage's typed ones; `run`'s RunOptions)."""
     from dsv4_offload.workspace.context import StageContext
+    from dsv4_offload.workspace.store import Workspace
 
     g = options_of(typer_ctx)
+    Workspace.from_option(g.workspace).check_readable()
     ctx = StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
                             progress=make_progress(g), stage=stage, verbose=g.verbose)
     warn_skipped_patches(ctx.series)

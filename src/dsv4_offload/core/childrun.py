@@ -37,8 +37,11 @@ LENDER_PIPE_ENV = "DSV4_LENDER_PIPE"
 SCHEDULER_PID_ENV = "DSV4_SCHEDULER_PID"
 # the pipelined run's event stream (core/events), appended to by every stage process
 EVENTS_ENV = "DSV4_EVENTS_FILE"
+# every child the tool starts carries its starter's identity (core/runner, core/procs): once
+# the leader of a group is gone, only members carrying it are proven ours and signalled
+GROUP_MARK_ENV = "DSV4_GROUP_MARK"
 INTERNAL_ENV = (IN_CONTAINER_ENV, STAGE_OPTIONS_ENV, HANDOFF_ENV, LENDER_PIPE_ENV,
-                SCHEDULER_PID_ENV, EVENTS_ENV)
+                SCHEDULER_PID_ENV, EVENTS_ENV, GROUP_MARK_ENV)
 # what crosses into a container by name when set (`docker exec -e NAME`): the container's
 # name and the lender's pipe go as values on its argv, the scheduler's pid stays on the host
 PASSED_BY_NAME = (HANDOFF_ENV, STAGE_OPTIONS_ENV, EVENTS_ENV)

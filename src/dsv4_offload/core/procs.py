@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.core.childrun import GROUP_MARK_ENV
+
 PROC = Path("/proc")
 _STARTTIME_INDEX = 19  # field 22 of /proc/<pid>/stat, counted after the ')' of the name
 _PGRP_INDEX = 2  # field 5
@@ -108,10 +110,8 @@ def identity(pid: int | None = None) -> Identity:
     return Identity(pid, start_time(pid), tuple(cmdline(pid)))
 
 
-def group_members(pgid: int, since: int | None = None) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid``; with ``since``, only those
-    started at or after that tick (a reused group id holds only newer processes than its
-    recorded leader: older ones are not ours)."""
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid``, whoever they are."""
     if not PROC.is_dir():
         return []
     found = []
@@ -121,15 +121,82 @@ def group_members(pgid: int, since: int | None = None) -> list[int]:
         fields = stat_fields(entry.name)
         if not fields or len(fields) <= _STARTTIME_INDEX or fields[0] in ("Z", "X"):
             continue
-        try:
-            if int(fields[_PGRP_INDEX]) != pgid:
-                continue
-            if since is not None and int(fields[_STARTTIME_INDEX]) < int(since):
-                continue
-        except ValueError:
-            continue
-        found.append(int(entry.name))
+        with contextlib.suppress(ValueError):
+            if int(fields[_PGRP_INDEX]) == pgid:
+                found.append(int(entry.name))
     return found
+
+
+_own_mark: tuple[int, str] | None = None
+
+
+def own_mark() -> str:
+    """This process's mark (pid and start time), which every child it starts carries in its
+    environment (``GROUP_MARK_ENV``, set by core/runner)."""
+    global _own_mark
+    pid = os.getpid()
+    if _own_mark is None or _own_mark[0] != pid:  # a forked child is another process
+        _own_mark = (pid, f"{pid}-{start_time(pid)}")
+    return _own_mark[1]
+
+
+def carries_mark(pid: int | str, mark: str) -> bool:
+    """Does ``/proc/<pid>/environ`` hold our ``mark``? False when unreadable (another user's
+    process is never proven ours)."""
+    try:
+        raw = (PROC / str(pid) / "environ").read_bytes()
+    except OSError:
+        return False
+    return f"{GROUP_MARK_ENV}={mark}".encode() in raw.split(b"\0")
+
+
+def leader_state(pgid: int, leader_start: int | None) -> str | None:
+    """The group ``pgid`` whose leader started at ``leader_start``: "here" (its leader runs,
+    or is a zombie not yet reaped: the group is ours), "gone" (the pid is another process's:
+    the kernel hands out no pid still naming a group, so ours is over), None (the leader
+    exited; what is left of the group must prove itself)."""
+    if leader_start is None:
+        return "gone"  # nothing to prove it by
+    fields = stat_fields(pgid)
+    if fields is None or len(fields) <= _STARTTIME_INDEX:
+        return None
+    try:
+        return "here" if int(fields[_STARTTIME_INDEX]) == int(leader_start) else "gone"
+    except ValueError:
+        return "gone"
+
+
+def owned_members(pgid: int, leader_start: int | None, mark: str | None = None) -> list[int]:
+    """Live members of the process group we started (leader ``pgid``, started at
+    ``leader_start``), proven ours: the whole group while its leader is the recorded one;
+    once the leader is gone, only members started after it that carry ``mark`` in their
+    environment. Never a process merely started later: a reused id leads another's group."""
+    if not PROC.is_dir():
+        return []
+    state = leader_state(pgid, leader_start)
+    if state == "gone":
+        return []
+    members = group_members(pgid)
+    if state == "here":
+        return members
+    if mark is None:
+        return []
+    return [pid for pid in members
+            if (start_time(pid) or 0) >= int(leader_start or 0) and carries_mark(pid, mark)]
+
+
+def signal_owned(pgid: int, leader_start: int | None, mark: str | None, sig: int) -> list[int]:
+    """Send ``sig`` to the members of our group proven by :func:`owned_members` (the whole
+    group at once while its leader is the recorded one); the pids it went to."""
+    members = owned_members(pgid, leader_start, mark)
+    if members and leader_state(pgid, leader_start) == "here":
+        with contextlib.suppress(OSError):
+            os.killpg(pgid, sig)
+        return members
+    for pid in members:
+        with contextlib.suppress(OSError):
+            os.kill(pid, sig)
+    return members
 
 
 # --- memory of a process tree -----------------------------------------------------------------
@@ -224,12 +291,13 @@ class GroupNotes:
                     raise
 
     def note(self, pgid: int) -> None:
+        """Note group ``pgid``, started by this process (its members carry our mark)."""
         with open(self.path, "a") as fh:
-            fh.write(f"group {pgid} {start_time(pgid)}\n")
+            fh.write(f"group {pgid} {start_time(pgid)} {own_mark()}\n")
 
-    def read(self) -> tuple[tuple[int, int | None], list[tuple[int, int]]] | None:
-        """((owner pid, start), [(pgid, leader start)]), or None: no file, or an owner in
-        another pid namespace (the container: its pids mean nothing here)."""
+    def read(self) -> tuple[tuple[int, int | None], list[tuple[int, int, str | None]]] | None:
+        """((owner pid, start), [(pgid, leader start, mark)]), or None: no file, or an owner
+        in another pid namespace (the container: its pids mean nothing here)."""
         try:
             lines = self.path.read_text().splitlines()
         except OSError:
@@ -246,7 +314,7 @@ class GroupNotes:
                     return None
                 owner = (int(parts[1]), when)
             elif when is not None:  # a group whose leader's start is unknown is not ours
-                groups.append((int(parts[1]), when))
+                groups.append((int(parts[1]), when, parts[3] if len(parts) > 3 else None))
         return owner, groups
 
     def leftovers(self) -> list[int]:
@@ -254,7 +322,8 @@ class GroupNotes:
         read = self.read()
         if read is None or alive(*read[0]):
             return []
-        return [pid for pgid, since in read[1] for pid in group_members(pgid, since)]
+        return [pid for pgid, since, mark in read[1]
+                for pid in owned_members(pgid, since, mark)]
 
     def sweep(self, grace: float) -> list[int]:
         """Once the owner is gone: SIGTERM the noted groups' members, SIGKILL after
@@ -264,15 +333,11 @@ class GroupNotes:
             return []
         stopped: list[int] = []
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            members = [(pid, pgid, since) for pgid, since in read[1]
-                       for pid in group_members(pgid, since)]
-            for pid, _pgid, _since in members:
-                with contextlib.suppress(OSError):
-                    os.kill(pid, sig)
-            stopped += [pid for pid, _, _ in members]
+            stopped += [pid for pgid, since, mark in read[1]
+                        for pid in signal_owned(pgid, since, mark, sig)]
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and any(
-                    group_members(pgid, since) for pgid, since in read[1]):
+                    owned_members(pgid, since, mark) for pgid, since, mark in read[1]):
                 time.sleep(0.05)
         self.path.unlink(missing_ok=True)
         return sorted(set(stopped))

@@ -38,8 +38,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from dsv4_offload.core.childrun import GROUP_MARK_ENV
 from dsv4_offload.core.clock import now_iso
 from dsv4_offload.core.errors import Dsv4Error
+from dsv4_offload.core.procs import own_mark
 
 TAIL_LINES = 200
 KILL_GRACE_S = 5.0  # between SIGTERM and SIGKILL of a child's group
@@ -317,7 +319,11 @@ def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | 
             if preexec_fn is not None:
                 preexec_fn()
 
-    proc = subprocess.Popen(args, cwd=cwd, env=None if env is None else dict(env),
+    # the child and all it starts carry our mark: once its group's leader is gone, what is
+    # left of the group is proven ours by it (core/procs.owned_members), never by its age
+    child_env = dict(os.environ if env is None else env)
+    child_env[GROUP_MARK_ENV] = own_mark()
+    proc = subprocess.Popen(args, cwd=cwd, env=child_env,
                             stdin=stdin, stdout=stdout, stderr=stderr,
                             start_new_session=True, preexec_fn=before, close_fds=True)
     for watcher in list(_group_watchers):

@@ -131,9 +131,14 @@ def _first_fatal(lines: list[str]) -> tuple[FatalPattern | None, str]:
 # --- process groups -------------------------------------------------------------------------
 
 
-def group_alive(pgid: int, since: int | None = None) -> bool:
-    """Has process group ``pgid`` a live member (started at or after ``since``, when given)?
-    killpg(0) also succeeds for zombies; a group of zombies only is as good as gone."""
+def group_alive(pgid: int, since: int | None = None, mark: str | None = None) -> bool:
+    """Has our process group ``pgid`` a live member? Without ``since`` (the group of a child
+    we have not reaped, so its id is still ours) any member counts; with it (the recorded
+    start of its leader) only members proven ours (core/procs.owned_members, by ``mark``
+    once the leader is gone). killpg(0) also succeeds for zombies: a group of zombies only
+    is as good as gone."""
+    if since is not None:
+        return bool(procs.owned_members(pgid, since, mark))
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
@@ -142,26 +147,29 @@ def group_alive(pgid: int, since: int | None = None) -> bool:
         return True
     if not procs.PROC.is_dir():
         return True
-    return bool(procs.group_members(pgid, since))
+    return bool(procs.group_members(pgid))
 
 
 def stop_group(pgid: int, *, interrupt_wait: float, reap: Callable[[], Any] | None = None,
-               since: int | None = None) -> str:
+               since: int | None = None, mark: str | None = None) -> str:
     """SIGINT, then SIGTERM, then SIGKILL on the group, each after a wait; the one that did it.
-    ``since``: the recorded start of its leader, so a reused group id is left alone."""
+    ``since``/``mark``: the recorded start of its leader and the mark its members carry, so
+    only processes proven ours are signalled (a reused group id is left alone)."""
     for sig, wait in ((signal.SIGINT, interrupt_wait), (signal.SIGTERM, SIGTERM_WAIT_S),
                       (signal.SIGKILL, SIGKILL_WAIT_S)):
-        if since is not None and not group_alive(pgid, since):
-            return "already stopped"
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return "already stopped"
+        if since is not None:
+            if not procs.signal_owned(pgid, since, mark, sig):
+                return "already stopped"
+        else:
+            try:
+                os.killpg(pgid, sig)
+            except ProcessLookupError:
+                return "already stopped"
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             if reap is not None:
                 reap()
-            if not group_alive(pgid, since):
+            if not group_alive(pgid, since, mark):
                 return sig.name
             time.sleep(0.05)
     return "SIGKILL (still listed)"
@@ -378,6 +386,12 @@ class ServeRecord:
     server_start_time: int | None = None
     server_cmdline: list[str] = field(default_factory=list)
     supervisor_start_time: int | None = None
+    # what the server's group carries in its environment (core/procs.own_mark of the process
+    # that started it): proves its members ours once the server itself is gone
+    group_mark: str | None = None
+    # the server runs in the foreground of the tool itself (its "supervisor"): `serve stop`
+    # stops the server, and the tool, waiting on it, closes the record and exits by itself
+    foreground: bool = False
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -388,9 +402,10 @@ class ServeRecord:
             return False
         if pid_alive(self.server_pid, self.server_start_time):
             return True
-        # the leader gone, members of its group (sglang's schedulers) may still run
-        return self.server_start_time is not None and group_alive(self.server_pid,
-                                                                  self.server_start_time)
+        # the leader gone, members of its group (sglang's schedulers) may still run: those
+        # carrying its mark; a newcomer holding the pid (or leading a group of that id) is not
+        return self.server_start_time is not None and group_alive(
+            self.server_pid, self.server_start_time, self.group_mark)
 
     def supervisor_alive(self) -> bool:
         return pid_alive(self.supervisor_pid, self.supervisor_start_time)
@@ -451,6 +466,20 @@ def spawn_detached(spec: dict[str, Any], spec_path: Path, supervisor_log: Path) 
     return child.pid
 
 
+def await_record(path: Path, supervisor_pid: int, timeout: float = 10.0) -> None:
+    """Until the detached supervisor ``supervisor_pid`` has recorded its server: on a busy
+    machine the server may answer before the supervisor has written the record, and a
+    `serve` that says ready must leave the record `serve status` and `stop` read."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and pid_alive(supervisor_pid):
+        with contextlib.suppress(InputError):
+            record = read_record(path)
+            if record is not None and record.supervisor_pid == supervisor_pid \
+                    and record.server_pid:
+                return
+        time.sleep(0.05)
+
+
 def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None, str]:
     """Stop the recorded server's group (SIGINT, SIGTERM, SIGKILL) and its supervisor."""
     record = read_record(path)
@@ -458,19 +487,53 @@ def stop_recorded(path: Path, interrupt_wait: float) -> tuple[ServeRecord | None
         return None, "no server record"
     how = "not running"
     if record.server_pid and record.server_alive():
+        # said before the signal: a foreground `serve` waiting on it tells a stop from a crash
+        record.state = "stopping"
+        write_record(path, record)
         # by pid and start time, with or without its supervisor
         how = stop_group(record.server_pid, interrupt_wait=interrupt_wait,
-                         since=record.server_start_time)
+                         since=record.server_start_time, mark=record.group_mark)
     deadline = time.monotonic() + SIGTERM_WAIT_S
     while record.supervisor_alive() and time.monotonic() < deadline:
         time.sleep(0.05)
-    if record.supervisor_alive():
+    # a foreground `serve` is the user's own command (its group may hold their pipeline):
+    # never signalled, it exits once its server is gone
+    if record.supervisor_alive() and not record.foreground:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(record.supervisor_pid, signal.SIGKILL)
     fresh = read_record(path) or record
     fresh.state = "stopped"
     write_record(path, fresh)
     return fresh, how
+
+
+def record_foreground(path: Path, server: ServerProcess, url: str, experts: int | None,
+                      extra: dict[str, Any]) -> None:
+    """Record the server this process runs in the foreground, as the supervisor records a
+    detached one: `status`, `serve status` and `serve stop` read the same record."""
+    from dsv4_offload.core.clock import now_iso
+
+    me, server_id = procs.identity(), procs.identity(server.pid)
+    write_record(path, ServeRecord(
+        me.pid, server.pid, url, str(server.log), list(server.argv), now_iso(), "running", None,
+        experts, extra, server_start_time=server_id.start_time,
+        server_cmdline=server.masked(server_id.cmdline), supervisor_start_time=me.start_time,
+        group_mark=procs.own_mark(), foreground=True))
+
+
+def close_foreground(path: Path, server_pid: int, code: int | None) -> bool:
+    """Write how the foreground server ``server_pid`` ended; True when `serve stop` stopped
+    it. A record of another server (a later one) is left alone."""
+    try:
+        record = read_record(path)
+    except InputError:
+        return False
+    if record is None or record.server_pid != server_pid or record.supervisor_pid != os.getpid():
+        return False
+    stopped = record.state in ("stopping", "stopped")
+    record.state, record.exit_code = ("stopped" if stopped else "exited"), code
+    write_record(path, record)
+    return stopped
 
 
 def supervise(spec: dict[str, Any]) -> int:
@@ -503,7 +566,7 @@ def supervise(spec: dict[str, Any]) -> int:
                          now_iso(), "running", None, spec.get("kt_num_gpu_experts"),
                          spec.get("extra", {}), server_start_time=server_id.start_time,
                          server_cmdline=server.masked(server_id.cmdline),
-                         supervisor_start_time=me.start_time)
+                         supervisor_start_time=me.start_time, group_mark=procs.own_mark())
     write_record(record_path, record)
     while server.poll() is None and not stopping.is_set():
         time.sleep(0.1)

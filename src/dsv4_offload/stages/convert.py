@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import functools
 import multiprocessing
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -30,6 +31,7 @@ from dsv4_offload.weights.conversion import (
     DISK_FIX,
     Bars,
     LayerOutcome,
+    claim_layer_files,
     convert_layer,
     default_jobs,
     disk_shortfall,
@@ -75,7 +77,7 @@ def _run_parallel(jobs: int, work: list[tuple[Any, Path]], source: Path,
     progress_queue, stop = mp.Queue(), mp.Event()
     outcomes: list[LayerOutcome] = []
     with cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=init_worker,
-                                initargs=(progress_queue, stop)) as pool:
+                                initargs=(progress_queue, stop, os.getpid())) as pool:
         futures = {}
         for layout, final in work:
             futures[pool.submit(_worker, str(source), layout, str(final))] = layout
@@ -200,8 +202,9 @@ def run(ctx: StageContext) -> StageResult:
     jobs = min(jobs, len(work))
     t0 = time.monotonic()
     bars = Bars(ctx, need, t0)
-    for _layout, final in work:  # until it is rewritten, a file vouches for no source
-        record_layer_source(out_dir, final.name, None)
+    # the old files go and the new ones' sources are on record before any takes its final
+    # name: a kill just after a rename leaves a complete file the rerun keeps
+    claim_layer_files(out_dir, {final.name: sources[layout.layer] for layout, final in work})
 
     def done(outcome: LayerOutcome) -> None:
         record_layer_source(out_dir, Path(outcome.path).name, sources[outcome.layer])

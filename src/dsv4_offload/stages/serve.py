@@ -306,14 +306,20 @@ def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         exit_code = _detached_exit(ws.serve_record, pid)
         with sv.detached_guard(pid):
             outcome = _wait(ctx, plan, follower, exit_code)
+            if outcome.ready:
+                sv.await_record(ws.serve_record, pid)
         return outcome, None
     server = sv.ServerProcess(plan.argv, plan.env, log, on_line=ctx.progress.message,
                               api_key_file=plan.api_key_file)
     server.start()
+    # one record whoever started the server: the foreground one is recorded too
+    sv.record_foreground(ws.serve_record, server, plan.url, experts,
+                         {"derived": plan.derived, "api_key_file": plan.api_key_file})
     try:
         outcome = _wait(ctx, plan, follower, server.poll)
     except BaseException:
         server.stop(serve.stop_timeout_s)
+        sv.close_foreground(ws.serve_record, server.pid, server.poll())
         raise
     return outcome, server
 
@@ -350,6 +356,7 @@ def _stop_attempt(ctx: StageContext, server: sv.ServerProcess | None) -> None:
     timeout = ctx.recipe.serve.stop_timeout_s
     if server is not None:
         server.stop(timeout)
+        sv.close_foreground(ctx.workspace.serve_record, server.pid, server.poll())
     else:
         sv.stop_recorded(ctx.workspace.serve_record, timeout)
 
@@ -400,8 +407,12 @@ def _ready(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         code = server.wait()
     except KeyboardInterrupt:
         server.stop(ctx.recipe.serve.stop_timeout_s)
+        sv.close_foreground(ctx.workspace.serve_record, server.pid, server.poll())
         raise
     outputs["exit_code"] = code
+    if sv.close_foreground(ctx.workspace.serve_record, server.pid, code):
+        return StageResult(Status.OK, "server stopped by `dsv4-offload serve stop`",
+                           data=outputs, log=str(log), problems=problems)
     if code != 0:
         return StageResult(Status.FAILED, f"server exited with code {code} after being ready",
                            data=outputs, log=str(log), problems=[Problem(

@@ -189,6 +189,25 @@ def record_layer_source(out_dir: Path, name: str, fingerprint: dict[str, Any] | 
         raise _disk_error(exc, out_dir / SOURCES_FILE, 0) from None
 
 
+def claim_layer_files(out_dir: Path, claims: dict[str, dict[str, Any]]) -> None:
+    """Before layer files are (re)written: each old file (and temp file) goes, then the
+    source each new one is made of is recorded, in one write. A file taking its final name
+    is then vouched for from its first instant, and a kill at any point leaves no file or a
+    complete one on record: a rerun checks it, never writes it again."""
+    from dsv4_offload.workspace.store import atomic_write_json
+
+    for name in claims:
+        for path in (out_dir / name, temp_path(out_dir / name)):
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+    doc = read_layer_sources(out_dir)
+    doc.update(claims)
+    try:
+        atomic_write_json(out_dir / SOURCES_FILE, doc)
+    except OSError as exc:
+        raise _disk_error(exc, out_dir / SOURCES_FILE, 0) from None
+
+
 def source_change(recorded: Any, current: dict[str, Any]) -> str | None:
     """None when ``recorded`` is ``current``; otherwise what differs, in a few words."""
     if not isinstance(recorded, dict):
@@ -341,14 +360,19 @@ _progress_queue: Any = None
 _stop: Any = None
 
 
-def init_worker(progress_queue: Any, stop: Any) -> None:
-    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert."""
+def init_worker(progress_queue: Any, stop: Any, parent: int | None = None) -> None:
+    """Workers leave Ctrl-C to the parent, which sets `stop`; they check it per expert.
+    ``parent``: the converting process's pid, to see whether it died before we armed."""
     import signal
 
     global _progress_queue, _stop
     _progress_queue, _stop = progress_queue, stop
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
+    if parent is not None and os.getppid() != parent:
+        # killed while we were starting: no death signal will come, and the queue we hold
+        # both ends of never ends; a worker with no parent has nothing to do
+        os._exit(1)
 
 
 def _die_with_parent() -> None:

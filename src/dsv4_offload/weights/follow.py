@@ -24,7 +24,7 @@ looks like one that has ended.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
+import os
 import queue
 import time
 from collections.abc import Callable
@@ -39,6 +39,7 @@ from dsv4_offload.weights import downloads, layerverify
 from dsv4_offload.weights.conversion import (
     DISK_FIX,
     Bars,
+    claim_layer_files,
     convert_layer,
     default_jobs,
     disk_shortfall,
@@ -50,7 +51,6 @@ from dsv4_offload.weights.conversion import (
     read_layer_sources,
     record_layer_source,
     source_change,
-    temp_path,
     worker_progress,
 )
 from dsv4_offload.weights.gguf_io import OWN_MANIFEST
@@ -107,7 +107,7 @@ class _Workers:
             mp = multiprocessing.get_context("spawn")  # fork is unsafe beside threads
             self._queue, self._stop = mp.Queue(), mp.Event()
             self._pool = cf.ProcessPoolExecutor(jobs, mp_context=mp, initializer=init_worker,
-                                                initargs=(self._queue, self._stop))
+                                                initargs=(self._queue, self._stop, os.getpid()))
 
     @property
     def busy(self) -> int:
@@ -299,14 +299,12 @@ class _Loop:
             self.ctx.event("layer.verified", layer=layer, already=True)
             return
         if not present:
-            # until it is rewritten and checked, the file vouches for nothing
-            record_layer_source(self.out_dir, name, None)
+            # until it is rewritten and checked, the file vouches for no check; its source
+            # is on record before the new file takes its name (a kill just after the
+            # rename leaves a complete file the rerun checks, never converts again)
             layerverify.record_layer_check(self.out_dir, name, None)
             forget_manifest_entries(self.out_dir, [name])
-            if 0 < file_size(final) != layout.file_bytes:
-                final.unlink()
-            with contextlib.suppress(FileNotFoundError):
-                temp_path(final).unlink()
+            claim_layer_files(self.out_dir, {name: self.sources[layer]})
             self.converting.add(layer)
             self.result.bytes += layout.file_bytes
         # our own manifest vouched for the file being replaced, not for the new one

@@ -96,6 +96,33 @@ def access_error(path: Path, write: bool = True) -> InputError:
         "--workspace DIR")
 
 
+def through_a_file_error(path: Path) -> InputError | None:
+    """One line when a directory on the way to ``path`` is a file (``-w notes.txt/ws``), or
+    None. The first file on the way is named."""
+    for part in reversed(path.parents):
+        if os.path.exists(part) and not os.path.isdir(part):
+            return InputError(f"{part} is a file, not a directory, so no workspace can be "
+                              f"under it ({path}); pick another --workspace DIR")
+    return None
+
+
+def denied_error(exc: OSError, root: Path | None = None) -> InputError:
+    """The one line for a path this user may not read (or that runs through a file), from
+    the ``OSError`` that said so: the access error under the workspace ``root``."""
+    me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
+    if exc.filename is None:  # not a path (a signal to another user's process, ...)
+        return InputError(f"permission denied for {me} ({exc.strerror}); run as the user "
+                          f"who owns the workspace{f' {root}' if root else ''}")
+    path = Path(str(exc.filename))
+    if isinstance(exc, NotADirectoryError):
+        return through_a_file_error(path) or InputError(
+            f"{path}: a directory on the way is a file; pick another --workspace DIR")
+    if root is None or path == root or root in path.parents:
+        return access_error(path, write=False)
+    return InputError(f"{path}: permission denied for {me} ({exc.strerror}); check its "
+                      "owner and mode, or run as its owner")
+
+
 def read_json(path: Path, default: Any) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
@@ -103,6 +130,8 @@ def read_json(path: Path, default: Any) -> Any:
         return default
     except PermissionError:
         raise access_error(path, write=False) from None
+    except NotADirectoryError as exc:
+        raise denied_error(exc) from None
     except (OSError, ValueError) as exc:
         raise InputError(
             f"{path}: unreadable JSON ({exc}); move it aside and rerun (the stage redoes its work)"
@@ -135,6 +164,21 @@ class Workspace:
     @classmethod
     def from_option(cls, value: str | None) -> Workspace:
         return cls(value or os.environ.get(WORKSPACE_ENV) or DEFAULT_WORKSPACE)
+
+    def check_readable(self) -> None:
+        """One line, before anything is read, when this user may not read the workspace (a
+        0700 directory of another user) or its path runs through a file; a workspace not
+        made yet is fine (the command says so, or makes it)."""
+        through = through_a_file_error(self.root)
+        if through is not None:
+            raise through
+        for directory in (self.root, self.meta_dir):
+            try:
+                exists = directory.is_dir()
+            except PermissionError:
+                raise access_error(directory, write=False) from None
+            if exists and not os.access(directory, os.R_OK | os.X_OK):
+                raise access_error(directory, write=False)
 
     # --- layout ---
     @property
