@@ -75,8 +75,10 @@ class Pair:
         self.download = subprocess.Popen(
             [*base, "--json", "download", "--endpoint", f"huggingface={hub.url}",
              "--endpoint", f"modelscope={hub.url}"], **opts)
-        # the scheduler's order: convert starts once download's running record is written
-        wait_for(lambda: self.stage("download").get("status") == "running"
+        # the scheduler's order: convert starts once download's running record is written,
+        # this process's (a killed attempt's record says running too, with its own pid)
+        wait_for(lambda: (self.stage("download").get("status") == "running"
+                          and self.stage("download").get("pid") == self.download.pid)
                  or self.download.poll() is not None, "download's running record")
         self.convert = subprocess.Popen([*base, "--json", "convert", "--follow",
                                          "--jobs", str(jobs)], **opts)
