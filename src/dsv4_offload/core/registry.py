@@ -104,7 +104,7 @@ STAGES: tuple[StageSpec, ...] = (
     # outcome of every check, so what it reads of the rest of the recipe reaches it there
     StageSpec("doctor", (), ("host",), summary="host preflight", branch="host",
               reads=("build", "conversion", "platform", "runtime", "selftest", "serve",
-                     "sources", "tree_root")),
+                     "sources", "tree_root", "weights")),
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits",
               after=("doctor",), branch="build"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits",
