@@ -71,20 +71,28 @@ def recipe_validate(
         load_series,
         looks_like_series,
     )
+    from dsv4_offload.serving.extra_args import recipe_check
 
     g = options_of(ctx)
+    warnings: list[str] = []
     if file and looks_like_series(file):
         series = load_series(__import__("pathlib").Path(file))
         data = {"series": series.name, "patches": len(series.patches), "file": file}
         line = f"{file}: valid series '{series.name}' ({len(series.patches)} patches)"
     else:
         recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
+        # the rules serve's launch plan applies, said now rather than after the downloads
+        warnings = recipe_check(recipe.serve)
         data = {"recipe": recipe.name, "file": str(recipe.file), "series": series.name,
-                "sources": len(recipe.sources), "patches": len(series.patches)}
+                "sources": len(recipe.sources), "patches": len(series.patches),
+                "warnings": warnings}
         line = (f"{recipe.file}: valid recipe '{recipe.name}' "
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")
-    emit(ctx, command="recipe validate", status="ok", data=data, lines=[line])
+        if warnings:
+            line += "".join(f"\nwarning: {w}" for w in warnings)
+    emit(ctx, command="recipe validate", status="warn" if warnings else "ok", data=data,
+         lines=[line])
 
 
 def recipe_schema(ctx: typer.Context) -> None:

@@ -31,6 +31,7 @@ from dsv4_offload.core.host import (
 from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
+from dsv4_offload.serving import extra_args
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
 from dsv4_offload.weights import diskplan
 from dsv4_offload.weights.diskplan import FsNeed
@@ -666,6 +667,9 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
         checks.append(check_page_cache(recipe, facts))
         checks.append(check_memory_plan(recipe, facts))
         checks.append(check_serve_bind(recipe))
+        extra = extra_args.recipe_row(recipe.serve)
+        if extra is not None:
+            checks.append(extra)
     if runtime is not None:
         checks += check_runtime(recipe, facts, runtime)
     return checks, chosen
