@@ -91,3 +91,90 @@ def test_recipe_validate_warns_of_an_unknown_flag_and_a_planned_one(tmp_path: Pa
     doc = json.loads(cli(tmp_path, *odd, "--json", "doctor").stdout)
     row = {c["name"]: c for c in doc["data"]["data"]["checks"]}["extra-args"]
     assert row["status"] == "warn" and "--chunked-prefill-sise" in row["observed"]
+
+
+def _bare_path(tmp_path: Path, docker: str | None = None) -> str:
+    """A PATH with git and python but no docker (or a docker whose daemon is down)."""
+    import shutil
+
+    bin_dir = tmp_path / ("bin-docker-down" if docker else "bin")
+    bin_dir.mkdir(exist_ok=True)
+    for tool in ("git", "sh"):
+        found = shutil.which(tool)
+        if found and not (bin_dir / tool).exists():
+            (bin_dir / tool).symlink_to(found)
+    if docker is not None:
+        (bin_dir / "docker").write_text(docker)
+        (bin_dir / "docker").chmod(0o755)
+    return str(bin_dir)
+
+
+DAEMON_DOWN = ("#!/bin/sh\necho 'Cannot connect to the Docker daemon at "
+               "unix:///var/run/docker.sock. Is the docker daemon running?' >&2\nexit 1\n")
+
+
+def test_accept_url_checks_a_server_with_no_docker_on_path(tmp_path: Path) -> None:
+    from serve_helpers import STANDIN, free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(STANDIN), "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        import time
+
+        import requests
+
+        for _ in range(100):
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                time.sleep(0.1)
+        for docker in (None, DAEMON_DOWN):  # no client; a client whose daemon is down
+            proc = cli(tmp_path, "accept", "--url", f"http://127.0.0.1:{port}", "--quick",
+                       "--no-throughput-gate", host=None, path=_bare_path(tmp_path, docker))
+            assert "docker" not in proc.stderr.lower(), proc.stderr
+            assert "warning: running" not in proc.stderr  # no stage ran in a container's stead
+            assert "GET /health" in proc.stdout, proc
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def test_accept_url_failure_does_not_send_to_this_workspaces_logs(tmp_path: Path) -> None:
+    from serve_helpers import free_port
+
+    url = f"http://127.0.0.1:{free_port()}"
+    proc = cli(tmp_path, "--runtime", "host", "accept", "--url", url, host=None,
+               path=_bare_path(tmp_path))
+    assert proc.returncode == 1, proc
+    assert "serve logs" not in proc.stdout
+    assert f"the server at {url} did not answer: check it is up and its own log" in proc.stdout
+    assert "warning: running" not in proc.stderr  # neither serve nor build ran
+
+
+def test_a_stage_that_needs_the_engine_names_its_state_and_runtime_host(tmp_path: Path) -> None:
+    proc = cli(tmp_path, "selftest", host=None, path=_bare_path(tmp_path, DAEMON_DOWN))
+    assert proc.returncode == 1, proc
+    line = proc.stderr.strip()
+    assert line.startswith("error: selftest runs in container "), line
+    assert "Is the docker daemon running?" in line and "systemctl start docker" in line
+    assert line.endswith("or `--runtime host` runs selftest on this host instead, with this "
+                         "host's compiler, python and libraries rather than the image's"), line
+
+
+def test_read_only_commands_need_no_engine_and_no_npu(tmp_path: Path) -> None:
+    bare = _bare_path(tmp_path)
+    printed = cli(tmp_path, "serve", "--print", path=bare)  # x86-no-npu: no NPU
+    assert printed.returncode == 0, printed
+    assert ("# no healthy NPU reported by npu-smi: the device is a placeholder, <N>; on the "
+            "target the idlest healthy card is taken (or --device N)") in printed.stdout
+    assert "export ASCEND_RT_VISIBLE_DEVICES='<N>'" in printed.stdout
+    assert cli(tmp_path, "status", path=bare).returncode == 0
+    report = cli(tmp_path, "report", "-o", str(tmp_path / "r.tar.gz"), path=bare)
+    assert report.returncode == 0, report
+    shown = cli(tmp_path, "recipe", "show", "dsv4-flash-x86-dev", path=bare)
+    assert shown.returncode == 0 and "name: dsv4-flash-x86-dev" in shown.stdout, shown
+    recipes = Path(__file__).parents[1] / "src" / "dsv4_offload" / "data" / "recipes"
+    by_file = cli(tmp_path, "recipe", "show", str(recipes / "dsv4-flash-a3.yaml"), path=bare)
+    assert by_file.returncode == 0 and "name: dsv4-flash-a3" in by_file.stdout, by_file

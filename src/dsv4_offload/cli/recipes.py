@@ -47,14 +47,21 @@ def _redacted(node: Any, redact: Any) -> Any:
     return redact(node) if isinstance(node, str) else node
 
 
-def recipe_show(ctx: typer.Context) -> None:
+def recipe_show(
+    ctx: typer.Context,
+    file: str | None = typer.Argument(None, metavar="[NAME|PATH]",
+                                      help="A bundled recipe's name or a recipe YAML "
+                                      "(default: --recipe)."),
+) -> None:
     """The resolved recipe (with --set overrides applied), as YAML or JSON."""
     import yaml
 
     from dsv4_offload.core.runner import redact
+    from dsv4_offload.recipe import load_recipe
 
-    pctx = load_context(ctx)
-    data = _redacted(pctx.recipe.model_dump(mode="json", by_alias=True), redact)
+    # a NAME or FILE as `recipe validate` takes it: the recipe alone, no workspace read
+    recipe = load_recipe(file, options_of(ctx).overrides) if file else load_context(ctx).recipe
+    data = _redacted(recipe.model_dump(mode="json", by_alias=True), redact)
     emit(ctx, command="recipe show", status="ok", data=data,
          lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()],
          payload=True)

@@ -39,6 +39,11 @@ class StageOptions(BaseModel):
             return {k: v for k, v in data.items() if v is not None}
         return data
 
+    def needs_image(self) -> bool:
+        """Whether the stage's work with these options needs the recipe's image (its tools,
+        its device view); a stage whose work does not runs on the host and asks no engine."""
+        return True
+
     @classmethod
     def parse(cls: type[OptionsT], stage: str, data: Mapping[str, Any]) -> OptionsT:
         """These options from a mapping (the wire form, a registry row, a scheduler's
