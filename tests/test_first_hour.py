@@ -86,8 +86,10 @@ def test_recipe_validate_warns_of_an_unknown_flag_and_a_planned_one(tmp_path: Pa
     odd = ["--set", 'serve.extra_args=["--chunked-prefill-sise","8192","--page-size","128"]']
     proc = cli(tmp_path, *odd, "recipe", "validate")
     assert proc.returncode == 0, proc
-    assert "did you mean --chunked-prefill-size?" in proc.stdout
-    assert ("--page-size (serve.extra_args) repeats a flag the plan sets" in proc.stdout)
+    assert "valid recipe" in proc.stdout
+    assert "warning: extra-args: " in proc.stderr  # doctor's row, judged from the recipe
+    assert "did you mean --chunked-prefill-size?" in proc.stderr
+    assert ("--page-size (serve.extra_args) repeats a flag the plan sets" in proc.stderr)
     doc = json.loads(cli(tmp_path, *odd, "--json", "doctor").stdout)
     row = {c["name"]: c for c in doc["data"]["data"]["checks"]}["extra-args"]
     assert row["status"] == "warn" and "--chunked-prefill-sise" in row["observed"]
@@ -178,3 +180,39 @@ def test_read_only_commands_need_no_engine_and_no_npu(tmp_path: Path) -> None:
     recipes = Path(__file__).parents[1] / "src" / "dsv4_offload" / "data" / "recipes"
     by_file = cli(tmp_path, "recipe", "show", str(recipes / "dsv4-flash-a3.yaml"), path=bare)
     assert by_file.returncode == 0 and "name: dsv4-flash-a3" in by_file.stdout, by_file
+
+
+def test_a_failing_row_stops_the_stages_it_guards_and_what_feeds_them(
+        tmp_path: Path, fake_stages_env) -> None:
+    from conftest import SMALL_RECIPE, run_cli
+
+    ws = tmp_path / "ws"
+    (ws / "behave").mkdir(parents=True)
+    (ws / "behave" / "doctor").write_text("rows libhwloc")  # guards the build alone
+    res = run_cli("-r", str(SMALL_RECIPE), "-w", str(ws), "run", "--to", "patch",
+                  env=fake_stages_env)
+    assert res.code == 1, res  # doctor failed, and says so
+    assert (ws / "ran.log").read_text().split() == ["doctor", "fetch", "patch"]
+    res = run_cli("-r", str(SMALL_RECIPE), "-w", str(ws), "run", "--to", "build",
+                  env=fake_stages_env)
+    assert res.code == 1, res
+    # fetch and patch run only to feed the build, which libhwloc guards: nothing more ran
+    assert (ws / "ran.log").read_text().split() == ["doctor", "fetch", "patch", "doctor"]
+    assert "fetch: blocked — comes after doctor, whose libhwloc failed" in res.out, res
+
+
+def test_every_doctor_row_is_declared_once(tmp_path: Path) -> None:
+    from dsv4_offload.core.preflight import DECLARED, Where, declaration
+
+    assert len({d.pattern for d in DECLARED}) == len(DECLARED)
+    for host in ("x86-no-npu", "kunpeng920-910b"):
+        for recipe in ("dsv4-flash-910b", "dsv4-flash-a3", "dsv4-flash-arm-rehearsal",
+                       "dsv4-flash-x86-dev"):
+            doc = json.loads(cli(tmp_path, "-r", recipe, "--json", "doctor", host=host).stdout)
+            for row in doc["data"]["data"]["checks"]:
+                assert declaration(row["name"]) is not None, (recipe, row["name"])
+                assert set(row["guards"]) <= {"doctor", "fetch", "patch", "build", "selftest",
+                                              "download", "convert", "verify-gguf", "serve",
+                                              "accept"}, row
+                assert row["where"] in {str(w) for w in Where}
+    assert declaration("serve-bind").where is Where.RECIPE  # type: ignore[union-attr]

@@ -79,6 +79,7 @@ def recipe_validate(
         looks_like_series,
     )
     from dsv4_offload.serving.extra_args import recipe_check
+    from dsv4_offload.stages.doctor import recipe_rows
 
     g = options_of(ctx)
     warnings: list[str] = []
@@ -89,15 +90,23 @@ def recipe_validate(
     else:
         recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
         # the rules serve's launch plan applies, said now rather than after the downloads
-        warnings = recipe_check(recipe.serve)
+        recipe_check(recipe.serve)
+        # doctor's rows judged from the recipe alone (core/preflight), said here too
+        warnings = [f"{r.name}: {r.observed}" + (f"; {r.fix}" if r.fix else "")
+                    for r in recipe_rows(recipe) if r.status != "ok"]
         data = {"recipe": recipe.name, "file": str(recipe.file), "series": series.name,
                 "sources": len(recipe.sources), "patches": len(series.patches),
                 "warnings": warnings}
         line = (f"{recipe.file}: valid recipe '{recipe.name}' "
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")
-        if warnings:
-            line += "".join(f"\nwarning: {w}" for w in warnings)
+        if warnings and not g.json:  # on stderr, as status says its warnings
+            from rich.markup import escape
+
+            from dsv4_offload.cli.render import err_console
+
+            for w in warnings:
+                err_console().print(f"[yellow]warning[/yellow]: {escape(w)}", soft_wrap=True)
     emit(ctx, command="recipe validate", status="warn" if warnings else "ok", data=data,
          lines=[line])
 

@@ -29,6 +29,7 @@ from dsv4_offload.core.host import (
     visible_device,
 )
 from dsv4_offload.core.options import PathText, StageOptions
+from dsv4_offload.core.preflight import annotate, recipe_only
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
 from dsv4_offload.serving import extra_args
@@ -289,6 +290,15 @@ def check_serve_bind(recipe: Recipe) -> Check:
     return Check("serve-bind", WARN, f"{serve.host}:{serve.port} with no API key", required,
                  "start the server with `dsv4-offload serve --api-key-file FILE` (or --set "
                  "serve.api_key_file=FILE), or bind loopback: --set serve.host=127.0.0.1")
+
+
+def recipe_rows(recipe: Recipe) -> list[Check]:
+    """The rows judged from the recipe alone (core/preflight's RECIPE declarations), which
+    `recipe validate` shows too."""
+    if "serve" in recipe.not_applicable:
+        return []
+    rows = [check_serve_bind(recipe), extra_args.recipe_row(recipe.serve)]
+    return [r for r in rows if r is not None and recipe_only([r.name])]
 
 
 def check_python(ctx: StageContext, facts: HostFacts) -> Check:
@@ -666,10 +676,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
         checks.append(check_memory_plan(recipe, facts))
-        checks.append(check_serve_bind(recipe))
-        extra = extra_args.recipe_row(recipe.serve)
-        if extra is not None:
-            checks.append(extra)
+        checks += recipe_rows(recipe)
     if runtime is not None:
         checks += check_runtime(recipe, facts, runtime)
     return checks, chosen
@@ -744,10 +751,10 @@ def run(ctx: StageContext) -> StageResult:
     device = chosen.device_id if chosen is not None else None
     atomic_write_json(report_path, {
         "schema": 1, "written": now_iso(), "recipe": ctx.recipe.name, "status": status.value,
-        "summary": summary, "device": device, "checks": [c.as_dict() for c in checks],
+        "summary": summary, "device": device, "checks": [annotate(c.as_dict()) for c in checks],
         "host": host,
     })
-    data = {"checks": [c.as_dict() for c in checks], "host": host, "device": device,
+    data = {"checks": [annotate(c.as_dict()) for c in checks], "host": host, "device": device,
             "report": str(report_path)}
     return StageResult(status, summary, data=data, problems=problems, log=str(report_path),
                        outputs={"host": host, "device": device, "report": str(report_path)})

@@ -90,10 +90,29 @@ def access_error(path: Path, write: bool = True) -> InputError:
         owner, mode = "unknown", "?"
     me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
     need = "read and write" if write else "read"
+    if me == owner or (hasattr(os, "geteuid") and os.geteuid() == 0):
+        # not a matter of ownership (root, or the owner already): a read-only filesystem,
+        # a pseudo-filesystem (/sys, /proc), or an ACL; chown would not help
+        return InputError(
+            f"workspace directory {probe} (owned by {owner}, mode {mode}) cannot be "
+            f"{'written' if write else 'read'} even by {me}: a read-only or pseudo "
+            "filesystem; pick another --workspace DIR")
     return InputError(
         f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) cannot "
         f"{need} it; run as {owner}, or `sudo chown -R {me} {probe}`, or pick another "
         "--workspace DIR")
+
+
+def not_a_directory(path: Path) -> InputError | None:
+    """One line when a path's parent chain runs through a file (``-w /etc/hostname/ws``);
+    None when it does not."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                return InputError(f"{path}: {parent} is a file, not a directory; pick another "
+                                  "--workspace DIR")
+            return None
+    return None
 
 
 def read_json(path: Path, default: Any) -> Any:
@@ -103,6 +122,9 @@ def read_json(path: Path, default: Any) -> Any:
         return default
     except PermissionError:
         raise access_error(path, write=False) from None
+    except NotADirectoryError:
+        raise (not_a_directory(path) or InputError(f"{path}: not a directory on its path; "
+                                                   "pick another --workspace DIR")) from None
     except (OSError, ValueError) as exc:
         raise InputError(
             f"{path}: unreadable JSON ({exc}); move it aside and rerun (the stage redoes its work)"
