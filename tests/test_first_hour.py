@@ -216,3 +216,23 @@ def test_every_doctor_row_is_declared_once(tmp_path: Path) -> None:
                                               "accept"}, row
                 assert row["where"] in {str(w) for w in Where}
     assert declaration("serve-bind").where is Where.RECIPE  # type: ignore[union-attr]
+
+
+def test_a_workspace_through_a_file_is_said_as_such(tmp_path: Path) -> None:
+    afile = tmp_path / "hostname"
+    afile.write_text("x\n")
+    for cmd in ("status", "run"):
+        proc = subprocess.run([str(SCRIPT), "-w", str(afile / "ws"), cmd], capture_output=True,
+                              text=True, timeout=120, stdin=subprocess.DEVNULL)
+        assert proc.returncode == 2, proc
+        assert "unreadable JSON" not in proc.stderr
+        assert f"{afile} is a file, not a directory; pick another --workspace DIR" in proc.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() != 0, reason="as root")
+def test_root_is_not_told_to_chown_a_pseudo_filesystem(tmp_path: Path) -> None:
+    proc = subprocess.run([str(SCRIPT), "-w", "/sys/dsv4-ws", "run"], capture_output=True,
+                          text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 2, proc
+    assert "chown" not in proc.stderr and "run as root" not in proc.stderr, proc.stderr
+    assert "cannot be written even by root" in proc.stderr
