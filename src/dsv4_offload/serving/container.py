@@ -669,8 +669,14 @@ def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
     options)``, the stage's own check of the running container, may refuse first.
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
+    from dsv4_offload.serving.crossing import check_recipe_files, cross
 
     plan = plan_container(ctx.recipe, ctx.workspace)
+    # every file a process inside must read, checked before any container work
+    where = f"container {plan.name}"
+    check_recipe_files(ctx.recipe, stage, plan.mounts, where)
+    options = cross(options, plan.mounts, ctx.workspace, where)
+    standalone = cross(standalone, plan.mounts, ctx.workspace, where) if standalone else None
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
     refused = before(ctx, plan, options) if before is not None else None
