@@ -90,9 +90,13 @@ def access_error(path: Path, write: bool = True) -> InputError:
         owner, mode = "unknown", "?"
     me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
     need = "read and write" if write else "read"
-    if me == owner or (hasattr(os, "geteuid") and os.geteuid() == 0):
-        # not a matter of ownership (root, or the owner already): a read-only filesystem,
-        # a pseudo-filesystem (/sys, /proc), or an ACL; chown would not help
+    if me == owner and not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return InputError(
+            f"workspace directory {probe} is yours (mode {mode}) but you cannot {need} it; "
+            f"`chmod u+rwx {probe}`, or pick another --workspace DIR")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # root is refused only by a read-only or pseudo filesystem (/sys, /proc) or an
+        # immutable flag; chown would not help
         return InputError(
             f"workspace directory {probe} (owned by {owner}, mode {mode}) cannot be "
             f"{'written' if write else 'read'} even by {me}: a read-only or pseudo "
