@@ -98,9 +98,9 @@ def access_error(path: Path, write: bool = True) -> InputError:
         # root is refused only by a read-only or pseudo filesystem (/sys, /proc) or an
         # immutable flag; chown would not help
         return InputError(
-            f"workspace directory {probe} (owned by {owner}, mode {mode}) cannot be "
-            f"{'written' if write else 'read'} even by {me}: a read-only or pseudo "
-            "filesystem; pick another --workspace DIR")
+            f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) "
+            f"cannot {need} it: a read-only or pseudo filesystem, where chown does not "
+            "help; pick another --workspace DIR")
     return InputError(
         f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) cannot "
         f"{need} it; run as {owner}, or `sudo chown -R {me} {probe}`, or pick another "
