@@ -598,3 +598,43 @@ def test_the_image_compiler_is_asked_only_when_kt_kernel_is_built(
                              plan, None)
     assert gone is not None and gone.message.startswith("no g++-not-here (exit ")
     assert "kt-kernel needs GCC >= 11" in gone.message
+
+
+def test_a_key_file_anywhere_crosses_owner_only_and_off_argv(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    """Issue 28: `serve --detach --api-key-file ~/api.key`, a file outside every mount."""
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    home = tmp_path / "home"
+    home.mkdir()
+    key = "sk-" + os.urandom(12).hex()
+    (home / "api.key").write_text(key + "\n")
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "serve", "--detach", "--api-key-file", str(home / "api.key"), env=env)
+    assert r.code == 0, r
+    # the copy under the workspace (which the container sees at its own path) is what crosses
+    (crossed,) = (ws / ".dsv4" / "keys").iterdir()
+    state = json.loads((ws / ".dsv4/state.json").read_text())
+    assert "api_key_file" in state["stages"]["serve"]["outputs"]["options"]
+    assert crossed.read_text() == key + "\n"
+    assert stat.S_IMODE(crossed.stat().st_mode) == 0o600
+    assert stat.S_IMODE(crossed.parent.stat().st_mode) == 0o700
+    everything = (Path(docker_env["FAKE_DOCKER"]) / "argv.jsonl").read_text()
+    assert key not in everything and key not in (ws / "logs/container/serve.log").read_text()
+
+
+def test_a_file_the_container_cannot_see_is_refused_before_any_container_work(
+        cli, tmp_path: Path, docker_env: dict[str, str],
+        fake_stages_env: dict[str, str]) -> None:
+    ws = tmp_path / "ws"
+    log = tmp_path / "elsewhere" / "server.log"
+    log.parent.mkdir()
+    log.write_text("ready\n")
+    env = {**docker_env, "DSV4_STAGE_PACKAGE": fake_stages_env["DSV4_STAGE_PACKAGE"]}
+    r = cli(*_args(ws), "accept", "--server-log", str(log), env=env)
+    assert r.code == 2, r
+    assert r.err.strip() == (
+        f"error: --server-log {log}: not visible in container {NAME}, which sees the workspace "
+        f"and the recipe's mounts at their own paths; copy it into {ws} and pass that path")
+    assert _calls(docker_env) == []  # refused before the first docker call

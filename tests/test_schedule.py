@@ -249,10 +249,17 @@ def test_the_disk_preflight_refuses_before_the_first_byte(tmp_path: Path,
     res = _cli(ws, fake_stages_env, *huge, "run")
     assert res.code == 1, res
     lines = res.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: disk: "), res.err
+    assert len(lines) == 1 and lines[0].startswith("error: disk: the run needs "), res.err
+    assert "GiB more free space" in lines[0]  # how much more, said as such
     assert str(ws / "weights" / "DeepSeek-V4-Flash-W8A8") in lines[0]
     assert "GiB are free there" in lines[0] and "--workspace DIR" in lines[0]
-    assert not (ws / "ran.log").exists()  # nothing ran
+    # the preflight first (doctor, here a stand-in that passes), then nothing else ran
+    assert "doctor:" in res.out
+    assert (ws / "ran.log").read_text().split() == ["doctor"]
+    events = [json.loads(line) for line in
+              _cli(ws, fake_stages_env, *huge, "--json", "run").out.splitlines()]
+    assert events[-1]["event"] == "run.refused" and events[-1]["error"].startswith("disk: ")
+    assert (ws / "ran.log").read_text().split() == ["doctor", "doctor"]
     assert "disk: failed" in _cli(ws, fake_stages_env, *huge, "run", "--dry-run").out
     assert _cli(ws, fake_stages_env, *huge, "run", "--to", "patch").code == 0  # no transfer
     # what is on disk already is taken off: a W8A8 set 1 GiB over the free space fits once

@@ -10,7 +10,8 @@ With <workspace>/record-env (names), it writes the values it saw to <workspace>/
 For the pipelined run (tests/test_schedule.py): 'sleep N' works N seconds; 'await OTHER'
 writes <workspace>/<stage>.started and waits until <workspace>/<OTHER>.started exists too (so
 the two ran at once; it fails after 30 s if they never do, as a serial run would make it);
-'until OTHER STATUS' waits until OTHER's record in the state file says STATUS. A download
+'until OTHER STATUS' waits until OTHER's record in the state file says STATUS; 'rows NAME...'
+fails with those check rows, declared as core/preflight declares them (doctor's). A download
 reports its bytes as `download mxfp4` progress, a convert two layers converted and one
 verified, a build its step (events; nothing when run alone).
 """
@@ -79,6 +80,14 @@ def make(name: str):  # type: ignore[no-untyped-def]
         if behave == "fail":
             return StageResult(Status.FAILED, f"{name} failed on purpose",
                                problems=[Problem("error", "told to fail", "remove behave file")])
+        if words[:1] == ["rows"]:  # 'rows NAME...': a preflight whose declared rows fail
+            from dsv4_offload.core.preflight import annotate
+
+            checks = [annotate({"name": row, "status": "fail", "observed": "told to fail",
+                                "required": "", "fix": "remove behave file"})
+                      for row in words[1:]]
+            return StageResult(Status.FAILED, f"{len(checks)} check(s) failed",
+                               data={"checks": checks})
         return StageResult(Status.OK, f"{name} ok", outputs={"stage": name,
                            "options": sorted(k for k, v in ctx.options.items() if v)})
 

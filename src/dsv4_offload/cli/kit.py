@@ -44,6 +44,7 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
                  options: StageOptions | Mapping[str, Any] | None = None) -> StageContext:
     """Recipe, series and workspace from the global options, as a StageContext with the
     command's options (the stage's typed ones; `run`'s RunOptions)."""
+    from dsv4_offload.serving.extra_args import recipe_check
     from dsv4_offload.workspace.context import StageContext
     from dsv4_offload.workspace.store import Workspace
 
@@ -51,6 +52,7 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
     Workspace.from_option(g.workspace).check_readable()
     ctx = StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
                             progress=make_progress(g), stage=stage, verbose=g.verbose)
+    recipe_check(ctx.recipe.serve)  # what serve would refuse, refused before any work
     warn_skipped_patches(ctx.series)
     return ctx
 

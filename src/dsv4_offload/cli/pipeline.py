@@ -103,7 +103,7 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
     from rich.markup import escape
 
     from dsv4_offload.cli import live
-    from dsv4_offload.cli.render import console, err_console, render_result
+    from dsv4_offload.cli.render import console, err_console
     from dsv4_offload.pipeline import schedule
 
     g = options_of(ctx)
@@ -127,15 +127,29 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
         view = live.PlainLines(quiet=g.quiet)
     else:
         view = live.LiveView(pctx.recipe.conversion.layers)
+    items, _ = schedule.overlapped_plan(pctx, start, stop, force)
+    short = schedule.diskplan.shortfall(schedule.disk_needs(pctx, items))
+    if short:  # the preflight first: doctor's table, every failing row, then the refusal
+        with pctx.workspace.lock("run"), view:
+            outcome = schedule.Scheduler(pctx, "doctor", "doctor", ("doctor",),
+                                         on_event=view.event, verbose=g.verbose).run(
+                                             check_disk=False)
+        _show_outcome(g, outcome, schedule, live)
+        if outcome.failed:  # its disk row says what this run says: the one figure, once
+            short = ("run stopped before any work: doctor failed (see its table); fix those "
+                     "rows and rerun `run`")
+        if g.json:
+            from dsv4_offload.core import events
+
+            view.event(events.make("run.refused", error=short, exit=int(ExitCode.FAILED)))
+        else:
+            err_console().print(escape(f"error: {short}"), soft_wrap=True)
+        exit_with(ExitCode.FAILED)
     with pctx.workspace.lock("run"), view:
         outcome = schedule.Scheduler(pctx, start, stop, force, on_event=view.event,
                                      verbose=g.verbose).run()
     if not g.json:
-        if not g.quiet:
-            for s in outcome.slots:
-                result = schedule.stage_result(s)
-                if result is not None and s.state != "interrupted":
-                    render_result(s.name, result, verbose=g.verbose)
+        _show_outcome(g, outcome, schedule, live)
         for line in live.outcome_lines(outcome)[-1 if g.quiet else 0:]:
             console().print(line, soft_wrap=True)
     for s in outcome.failed:  # on stderr in every mode, --json too (as `run --serial` does)
@@ -145,6 +159,18 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
         sys.stderr.write(f"interrupted by {outcome.interrupted}\n"
                          if outcome.interrupted != "Ctrl-C" else "interrupted\n")
     exit_with(outcome.exit_code)
+
+
+def _show_outcome(g: Any, outcome: Any, schedule: Any, live: Any) -> None:
+    """Each stage's result as its own command shows it (doctor: its table of checks)."""
+    from dsv4_offload.cli.render import render_result
+
+    if g.json or g.quiet:
+        return
+    for s in outcome.slots:
+        result = schedule.stage_result(s)
+        if result is not None and s.state != "interrupted":
+            render_result(s.name, result, verbose=g.verbose)
 
 
 def status(ctx: typer.Context) -> None:

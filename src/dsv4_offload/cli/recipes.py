@@ -47,14 +47,21 @@ def _redacted(node: Any, redact: Any) -> Any:
     return redact(node) if isinstance(node, str) else node
 
 
-def recipe_show(ctx: typer.Context) -> None:
+def recipe_show(
+    ctx: typer.Context,
+    file: str | None = typer.Argument(None, metavar="[NAME|PATH]",
+                                      help="A bundled recipe's name or a recipe YAML "
+                                      "(default: --recipe)."),
+) -> None:
     """The resolved recipe (with --set overrides applied), as YAML or JSON."""
     import yaml
 
     from dsv4_offload.core.runner import redact
+    from dsv4_offload.recipe import load_recipe
 
-    pctx = load_context(ctx)
-    data = _redacted(pctx.recipe.model_dump(mode="json", by_alias=True), redact)
+    # a NAME or FILE as `recipe validate` takes it: the recipe alone, no workspace read
+    recipe = load_recipe(file, options_of(ctx).overrides) if file else load_context(ctx).recipe
+    data = _redacted(recipe.model_dump(mode="json", by_alias=True), redact)
     emit(ctx, command="recipe show", status="ok", data=data,
          lines=[yaml.safe_dump(data, sort_keys=False, allow_unicode=True).rstrip()],
          payload=True)
@@ -71,22 +78,39 @@ def recipe_validate(
         load_series,
         looks_like_series,
     )
+    from dsv4_offload.serving.extra_args import recipe_check
+    from dsv4_offload.stages.doctor import recipe_rows
 
     g = options_of(ctx)
+    warnings: list[str] = []
     if file and looks_like_series(file):
         series = load_series(__import__("pathlib").Path(file))
         data = {"series": series.name, "patches": len(series.patches), "file": file}
         line = f"{file}: valid series '{series.name}' ({len(series.patches)} patches)"
     else:
         recipe, series = load_recipe_and_series(file or g.recipe, g.overrides)
+        # the rules serve's launch plan applies, said now rather than after the downloads
+        recipe_check(recipe.serve)
+        # doctor's rows judged from the recipe alone (core/preflight), said here too
+        warnings = [f"{r.name}: {r.observed}" + (f"; {r.fix}" if r.fix else "")
+                    for r in recipe_rows(recipe) if r.status != "ok"]
         warn_skipped_patches(series)
         data = {"recipe": recipe.name, "file": str(recipe.file), "series": series.name,
                 "sources": len(recipe.sources), "patches": len(series.patches),
+                "warnings": warnings,
                 "left_out": [p.name for p in series.skipped]}
         line = (f"{recipe.file}: valid recipe '{recipe.name}' "
                 f"({len(recipe.sources)} sources, series '{series.name}' with "
                 f"{len(series.patches)} patches)")
-    emit(ctx, command="recipe validate", status="ok", data=data, lines=[line])
+        if warnings and not g.json:  # on stderr, as status says its warnings
+            from rich.markup import escape
+
+            from dsv4_offload.cli.render import err_console
+
+            for w in warnings:
+                err_console().print(f"[yellow]warning[/yellow]: {escape(w)}", soft_wrap=True)
+    emit(ctx, command="recipe validate", status="warn" if warnings else "ok", data=data,
+         lines=[line])
 
 
 def recipe_schema(ctx: typer.Context) -> None:

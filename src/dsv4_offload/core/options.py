@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import ItemsView, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, TypeVar, get_args, get_origin
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, ValidationError, model_validator
 
@@ -25,6 +25,18 @@ OptionsT = TypeVar("OptionsT", bound="StageOptions")
 
 # a path as the command line gives it (text); a Path made by a caller is taken as its text
 PathText = Annotated[str, BeforeValidator(_path_text)]
+# the interpreter is named where its stage runs (the image's python): no file that crosses
+INTERPRETER_OPTION = "python"
+# a path option whose file is a secret (an API key): it crosses owner-only, never on argv
+SECRET_SUFFIX = "key_file"
+
+
+def _is_path_text(annotation: Any) -> bool:
+    for a in (annotation, *get_args(annotation)):
+        if get_origin(a) is Annotated and any(
+                getattr(m, "func", None) is _path_text for m in a.__metadata__):
+            return True
+    return False
 
 
 class StageOptions(BaseModel):
@@ -38,6 +50,18 @@ class StageOptions(BaseModel):
         if isinstance(data, Mapping):
             return {k: v for k, v in data.items() if v is not None}
         return data
+
+    def crossing_paths(self) -> dict[str, str]:
+        """The files given on this command line that the stage reads, by option name: each
+        must be visible where the stage runs (serving/crossing)."""
+        given = self.given()
+        return {name: str(given[name]) for name, f in type(self).model_fields.items()
+                if name in given and name != INTERPRETER_OPTION and _is_path_text(f.annotation)}
+
+    def needs_image(self) -> bool:
+        """Whether the stage's work with these options needs the recipe's image (its tools,
+        its device view); a stage whose work does not runs on the host and asks no engine."""
+        return True
 
     @classmethod
     def parse(cls: type[OptionsT], stage: str, data: Mapping[str, Any]) -> OptionsT:

@@ -86,6 +86,9 @@ class StageSpec:
     steps: str = ""
     branch: str = ""  # the live view's group of it (empty: a group of its own)
     view: View = View.TASK
+    # its result's rows are declared checks (core/preflight): a failed row stops only the
+    # stages it guards and those the run runs to feed them
+    preflight: bool = False
 
     @property
     def module(self) -> str:
@@ -102,9 +105,9 @@ LABELS = ("name", "description", "not_applicable")
 STAGES: tuple[StageSpec, ...] = (
     # it judges every stage's requirements of the host; its fingerprint_inputs digests the
     # outcome of every check, so what it reads of the rest of the recipe reaches it there
-    StageSpec("doctor", (), ("host",), summary="host preflight", branch="host",
+    StageSpec("doctor", (), ("host",), summary="host preflight", branch="host", preflight=True,
               reads=("build", "conversion", "platform", "runtime", "selftest", "serve",
-                     "sources", "tree_root")),
+                     "sources", "tree_root", "weights")),
     StageSpec("fetch", (), ("sources",), summary="sources at their pinned commits",
               after=("doctor",), branch="build"),
     StageSpec("patch", ("fetch",), ("series",), summary="the patch series as commits",

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dsv4_offload import pipeline as P
-from dsv4_offload.core import childrun, events
+from dsv4_offload.core import childrun, events, preflight
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
 from dsv4_offload.core.options import StageOptions
 from dsv4_offload.core.registry import Cpu, StageSpec
@@ -250,11 +250,11 @@ class Scheduler:
         self.cpu = budget(ctx)
 
     # --- the run ---
-    def run(self) -> Outcome:
+    def run(self, check_disk: bool = True) -> Outcome:
         """Plan, check the disk, run the graph; the caller holds the workspace lock."""
         t0 = time.monotonic()
         items, _ = overlapped_plan(self.ctx, self.start, self.stop, self.force)
-        short = diskplan.shortfall(disk_needs(self.ctx, items))
+        short = diskplan.shortfall(disk_needs(self.ctx, items)) if check_disk else None
         if short:
             raise Dsv4Error(short)  # before the first byte
         self._new_events_file()
@@ -310,15 +310,54 @@ class Scheduler:
                 if s.state != StageState.WAITING:
                     continue
                 bad = next((d for d in (*s.deps, *s.follows)
-                            if self.slots[d].state in STOPPED), None)
+                            if self.slots[d].state in STOPPED and not self._passes(d, s)), None)
+                rows = self._guarding(s) if bad is None else None
                 if bad is not None:
                     self._block(s, bad)
-                elif all(self.slots[d].state in OVER_OK for d in s.deps) and all(
+                elif rows is not None:
+                    self._block(s, rows[0], rows[1])
+                elif all(self.slots[d].state in OVER_OK or self._passes(d, s)
+                         for d in s.deps) and all(
                         self._followable(self.slots[d]) for d in s.follows):
                     self._begin(s)
                 else:
                     continue
                 changed = True
+
+    def _feeds(self, name: str) -> set[str]:
+        """``name`` and every stage of this run that waits for it, directly or not."""
+        found, todo = {name}, [name]
+        while todo:
+            here = todo.pop()
+            for o in self.slots.values():
+                if o.name not in found and here in (*o.deps, *o.follows):
+                    found.add(o.name)
+                    todo.append(o.name)
+        return found
+
+    def _rows_against(self, p: Slot, s: Slot) -> list[str] | None:
+        """The failed rows of preflight ``p`` that guard ``s`` or a stage it feeds; None when
+        its rows are not declared (every failure of it stops everything after it)."""
+        if not p.spec.preflight or p.state != StageState.FAILED or p.result is None:
+            return None
+        fed = self._feeds(s.name)
+        found = [preflight.guarded(p.result.data, f) for f in sorted(fed)]
+        if any(f is None for f in found):
+            return None
+        return sorted({row for rows in found for row in rows or ()})
+
+    def _passes(self, d: str, s: Slot) -> bool:
+        """A failed preflight ``d`` whose failed rows guard neither ``s`` nor what it feeds."""
+        return self._rows_against(self.slots[d], s) == []
+
+    def _guarding(self, s: Slot) -> tuple[str, str] | None:
+        """(the preflight, why) when a failed row of a preflight of this run guards ``s`` or
+        what it feeds, though ``s`` does not wait for it directly."""
+        for p in self.slots.values():
+            rows = self._rows_against(p, s)
+            if rows and p.name not in (*s.deps, *s.follows):
+                return p.name, f"{p.name}'s {', '.join(rows)} failed"
+        return None
 
     @staticmethod
     def _followable(s: Slot) -> bool:
@@ -326,10 +365,14 @@ class Scheduler:
         end before it records its own: pipeline.run_stage)."""
         return s.state in OVER_OK or (s.state == StageState.RUNNING and s.announced)
 
-    def _block(self, s: Slot, bad: str) -> None:
+    def _block(self, s: Slot, bad: str, why: str = "") -> None:
         b = self.slots[bad]
         how = "needs" if bad in s.spec.needs else "comes after"
-        if b.state == StageState.BLOCKED:
+        rows = self._rows_against(b, s)
+        if why or rows:  # a preflight's rows: which of them stop this stage
+            s.root = bad
+            s.reason = why or f"{how} {bad}, whose {', '.join(rows or ())} failed"
+        elif b.state == StageState.BLOCKED:
             s.root = b.root
             s.reason = f"{how} {bad}, which is blocked ({b.root} {self.slots[b.root].state})"
         else:

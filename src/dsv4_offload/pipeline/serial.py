@@ -161,16 +161,17 @@ def plan(ctx: StageContext, start: str | None = None, stop: str | None = None,
     for s in stages:
         steps = [b.name for b in recipe_value(ctx.recipe, s.steps)] if s.steps else []
         if s.name in force:
+            runs_in_container(ctx.recipe, s.name, announce=True)  # --runtime host: said now
             items.append(PlanItem(s.name, "run", "forced", steps))
             continue
         st = stage_status(ctx, s, state, memo)
-        where = (f" (in container {ctx.recipe.runtime.name})"
-                 if runs_in_container(ctx.recipe, s.name) else "")
         if st.state == NOT_APPLICABLE:
             items.append(PlanItem(s.name, "skip", st.reason, steps))
         elif st.state == StageState.DONE:
             items.append(PlanItem(s.name, "skip", "done, inputs unchanged", steps))
-        else:
+        else:  # a warning of --runtime host names only the stages that run
+            where = (f" (in container {ctx.recipe.runtime.name})"
+                     if runs_in_container(ctx.recipe, s.name, announce=True) else "")
             items.append(PlanItem(s.name, "run", (st.reason or st.state) + where, steps))
     return items
 
@@ -228,13 +229,20 @@ def dispatch_stage(ctx: StageContext, name: str, options: StageOptions,
     """Run one stage where the recipe puts it (workspace/placement.py): here, or in the
     recipe's container. `run` and the stand-alone stage commands both come through here;
     ``standalone`` hands the command's own options to the `run` inside."""
-    if runs_in_container(ctx.recipe, name):
-        from dsv4_offload.serving.container import run_stage_inside
+    if runs_in_container(ctx.recipe, name, options, announce=True):
+        from dsv4_offload.serving.container import EngineUnavailable, run_stage_inside
 
         # the stage's own check of the container, before the hand-over (build: its compiler)
         before = getattr(load_stage_module(spec(name)), "before_container", None)
-        # the container's own `run` records the stage in the shared state file
-        return run_stage_inside(ctx, name, options, options if standalone else None, before)
+        try:
+            # the container's own `run` records the stage in the shared state file
+            return run_stage_inside(ctx, name, options, options if standalone else None,
+                                    before)
+        except EngineUnavailable as exc:
+            raise EngineUnavailable(
+                f"{name} runs in container {ctx.recipe.runtime.image} and {exc.message}; or "
+                f"`--runtime host` runs {name} on this host instead, with this host's "
+                "compiler, python and libraries rather than the image's") from None
     return run_stage(ctx, name, options)
 
 

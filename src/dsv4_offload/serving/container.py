@@ -72,6 +72,11 @@ _DAEMON_DOWN = re.compile(r"Cannot connect to the Docker daemon|Is the docker da
 _DENIED = re.compile(r"permission denied.*docker", re.I)
 
 
+class EngineUnavailable(Dsv4Error):
+    """The container engine cannot be asked: no client on PATH, its daemon down or refusing
+    this user, or no answer; the stage hand-over names `--runtime host` beside the fix."""
+
+
 def docker_fix(stderr: str) -> str | None:
     """The next step for a docker client's error: a stopped daemon is started, a refused
     socket is a group membership, not a missing install. None: not a daemon problem."""
@@ -223,13 +228,14 @@ def docker_query(args: list[str]) -> tuple[int, str]:
     try:
         proc = capture(["docker", *args], timeout=_QUICK_TIMEOUT_S)
     except FileNotFoundError:
-        raise Dsv4Error(f"the docker client is not on PATH; {DOCKER_FIX}") from None
+        raise EngineUnavailable(f"the docker client is not on PATH; {DOCKER_FIX}") from None
     except subprocess.TimeoutExpired:
-        raise Dsv4Error(f"`docker {' '.join(args[:2])}` did not answer in "
-                        f"{_QUICK_TIMEOUT_S:.0f}s; is the Docker engine running?") from None
+        raise EngineUnavailable(f"`docker {' '.join(args[:2])}` did not answer in "
+                                f"{_QUICK_TIMEOUT_S:.0f}s; is the Docker engine running?"
+                                ) from None
     fix = docker_fix(proc.stderr) if proc.returncode != 0 else None
     if fix:
-        raise Dsv4Error(f"docker: {proc.stderr.strip().splitlines()[-1]}; {fix}")
+        raise EngineUnavailable(f"docker: {proc.stderr.strip().splitlines()[-1]}; {fix}")
     return proc.returncode, proc.stdout
 
 
@@ -663,8 +669,14 @@ def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
     options)``, the stage's own check of the running container, may refuse first.
     """
     from dsv4_offload.core.results import Problem, StageResult, Status
+    from dsv4_offload.serving.crossing import check_recipe_files, cross
 
     plan = plan_container(ctx.recipe, ctx.workspace)
+    # every file a process inside must read, checked before any container work
+    where = f"container {plan.name}"
+    check_recipe_files(ctx.recipe, stage, plan.mounts, where)
+    options = cross(options, plan.mounts, ctx.workspace, where)
+    standalone = cross(standalone, plan.mounts, ctx.workspace, where) if standalone else None
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
     refused = before(ctx, plan, options) if before is not None else None

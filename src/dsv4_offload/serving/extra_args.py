@@ -6,7 +6,8 @@ flag missing from it is a warning with the nearest known name: the pin may be ne
 table. A value of the wrong kind, `--chunked-prefill-size` that is not a positive multiple of
 the page size (the launcher refuses -1, L33-37: it overruns kt-kernel's buffer) or below the
 chunk the plan needs, and a second port that clashes with the server's, are refused with one
-line naming the flag and where it came from.
+line naming the flag and where it came from. ``recipe_check`` applies the same rules to the
+recipe alone, at recipe load, so `recipe validate`, `doctor` and `run` say it before any work.
 """
 
 from __future__ import annotations
@@ -14,9 +15,16 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.results import FAIL, OK, WARN, Check
+from dsv4_offload.serving.flags import sglang_flags
+from dsv4_offload.serving.rules import RECIPE, chunked_prefill
 from dsv4_offload.serving.sglang_flags import FLOATS, INTS, LISTS, SOURCE, STRINGS, SWITCHES
+
+if TYPE_CHECKING:
+    from dsv4_offload.recipe import Serve
 
 KNOWN = SWITCHES | INTS | FLOATS | STRINGS | LISTS
 
@@ -115,3 +123,33 @@ def _known_bad(flag: str, values: list[str], where: str, needs: Needs,
     elif flag in needs.planned:
         warnings.append(f"{flag} ({where}) repeats a flag the plan sets: sglang takes the "
                         "last one, yours; prefer the recipe field or launcher variable")
+
+
+def recipe_check(serve: Serve) -> list[str]:
+    """serve.extra_args against what the plan derives from the recipe alone (the page size,
+    the recipe's chunk, the port, the flags the plan writes): the plan's own warnings, and its
+    InputError for what it would refuse at serve time."""
+    if not serve.pass_flags or not serve.extra_args:
+        return []
+    chunk = chunked_prefill(serve, None)
+    planned = sglang_flags(serve, model_path="", weight_path="", gpu_experts=0, pools=1,
+                           threads=1, chunk=chunk, mem_fraction=0.0, port=serve.port,
+                           quantization="", skip_warmup=False, api_key=False, extra=())
+    needs = Needs(page_size=serve.page_size, chunk=chunk, chunk_why=RECIPE, port=serve.port,
+                  planned=frozenset(a for a in planned if a.startswith("--")))
+    return check(serve.extra_args, lambda _f: "serve.extra_args", needs)
+
+
+def recipe_row(serve: Serve) -> Check | None:
+    """Doctor's `extra-args` row: recipe_check's verdict, the plan's own words."""
+    if not serve.pass_flags or not serve.extra_args:
+        return None
+    required = "flags sglang knows, of their kind, that the plan does not refuse"
+    try:
+        warnings = recipe_check(serve)
+    except InputError as exc:
+        return Check("extra-args", FAIL, exc.one_line(), required, "fix serve.extra_args")
+    if warnings:
+        return Check("extra-args", WARN, "; ".join(warnings), required,
+                     "check serve.extra_args")
+    return Check("extra-args", OK, " ".join(serve.extra_args), required)

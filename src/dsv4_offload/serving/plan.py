@@ -164,6 +164,9 @@ class _Draft:
         return self.serve.env.get(key, self.base_env.get(key))
 
 
+# the device a plan printed on a host without an NPU shows (serve --print)
+DEVICE_PLACEHOLDER = "<N>"
+
 def _cpu_pools(d: _Draft) -> tuple[int, int]:
     """L123-131: (KT_THREADPOOL_COUNT, KT_CPUINFER), exported or derived from the host."""
     env_pools = env_number(d.base_env, "KT_THREADPOOL_COUNT", int)
@@ -376,15 +379,21 @@ def _eager_env(d: _Draft, extra: Sequence[str]) -> dict[str, str]:
     return {"KT_FORCE_SYNC_SUBMIT": "1"}
 
 
-def _device(d: _Draft, requested: int | None, fraction: float) -> tuple[str | None, str]:
+def _device(d: _Draft, requested: int | None, fraction: float, placeholder: bool = False
+            ) -> tuple[str | None, str]:
     """L251-255: ASCEND_RT_VISIBLE_DEVICES kept, else NPU_DEVICE_ID; here --device first.
 
-    Else the idlest healthy card; none is an error unless serve.command brings its own.
+    Else the idlest healthy card; none is an error unless serve.command brings its own, or
+    for a printed plan (``placeholder``), which shows DEVICE_PLACEHOLDER and says so.
     """
     dev, reason = pick_device(d.host.npus, requested,
                               d.base_env.get("ASCEND_RT_VISIBLE_DEVICES")
                               or d.base_env.get("NPU_DEVICE_ID"),
                               models=d.recipe.host.npu_models, mem_fraction=fraction)
+    if dev is None and placeholder and not d.own_command:
+        d.notes.append(f"{reason}: the device is a placeholder, {DEVICE_PLACEHOLDER}; on the "
+                       "target the idlest healthy card is taken (or --device N)")
+        return DEVICE_PLACEHOLDER, f"{reason}: a placeholder in this printed plan"
     if dev is None and not d.own_command:
         raise Dsv4Error(
             f"serve: {reason}; check `npu-smi info` (run `dsv4-offload doctor`) or pass "
@@ -596,7 +605,7 @@ def build_plan(
     skip_warmup = _skip_warmup(d, knob_env)
     extra = _extra_flags(d)
     eager_env = _eager_env(d, extra)
-    dev, dev_reason = _device(d, device, fraction)
+    dev, dev_reason = _device(d, device, fraction, placeholder=not require_layers)
     model_path, weight_path = _weights(d, require_layers)
     ops, ops_origin, depool = _operator(d, require_layers)
     api_key = _api_key(d, api_key_file, port)

@@ -49,6 +49,10 @@ class AcceptOptions(StageOptions):
     gpqa: int = 0  # rounds of GPQA-diamond through evalscope
     api_key_file: PathText | None = None  # the key to send (default: serve's)
 
+    def needs_image(self) -> bool:
+        """A given URL is an HTTP check from here; GPQA's evalscope lives in the image."""
+        return self.url is None or self.gpqa > 0
+
 
 Options = AcceptOptions
 
@@ -98,8 +102,11 @@ def run(ctx: StageContext) -> StageResult:
     url = options.url or (record.url if sv.record_alive(record) else
                                 connect_url(ctx.recipe.serve.host, ctx.recipe.serve.port))
     # nothing started here and no --url: the next step is to start the server, not its logs
-    dead_fix = ("the server hung or died: `dsv4-offload serve logs`"
-                if options.url or sv.record_alive(record) else
+    # a --url server this workspace did not start: its logs are its starter's, not ours
+    ours = sv.record_alive(record) and record is not None and record.url == url
+    dead_fix = ("the server hung or died: `dsv4-offload serve logs`" if ours else
+                f"the server at {url} did not answer: check it is up and its own log"
+                if options.url else
                 "no server was started in this workspace: start one with `dsv4-offload serve "
                 "--detach`, then run accept again (or point --url at a running server)")
     probe_list, det_name = (load_probes(Path(options.probes), acc) if options.probes

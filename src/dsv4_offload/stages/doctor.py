@@ -29,11 +29,14 @@ from dsv4_offload.core.host import (
     visible_device,
 )
 from dsv4_offload.core.options import PathText, StageOptions
+from dsv4_offload.core.preflight import annotate, recipe_only
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
-from dsv4_offload.serving import shm
+from dsv4_offload.serving import extra_args, shm
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
+from dsv4_offload.weights import diskplan
+from dsv4_offload.weights.diskplan import FsNeed
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import atomic_write_json
 
@@ -218,7 +221,8 @@ def check_numa(recipe: Recipe, facts: HostFacts) -> Check:
                  required)
 
 
-def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
+def check_memory_and_disk(recipe: Recipe, facts: HostFacts,
+                          disk: list[FsNeed] | None = None) -> list[Check]:
     host = recipe.host
     checks = []
     need = f">= {host.memory_min_gib:g} GiB available ({host.memory_recommended_gib:g} " \
@@ -235,19 +239,7 @@ def check_memory_and_disk(recipe: Recipe, facts: HostFacts) -> list[Check]:
         status = FAIL if avail < host.memory_min_gib else (
             WARN if avail < host.memory_recommended_gib else OK)
         checks.append(Check("memory", status, observed, need, "" if status == OK else fix))
-    need = f">= {host.disk_min_gib:g} GiB free under the workspace " \
-           f"({host.disk_recommended_gib:g} recommended)"
-    if facts.disk_free_bytes is None:
-        checks.append(Check("disk", WARN, "unknown", need, "check `df -h` on the workspace"))
-    else:
-        free = facts.disk_free_bytes / GIB
-        status = FAIL if free < host.disk_min_gib else (
-            WARN if free < host.disk_recommended_gib else OK)
-        checks.append(Check(
-            "disk", status, f"{free:,.0f} GiB free", need, "" if status == OK else
-            "free space or point --workspace at a larger filesystem: weights, GGUF and the "
-            "conversion peak need ~560 GiB, serving keeps ~415 GiB",
-        ))
+    checks.append(diskplan.disk_check(recipe, facts.disk_free_bytes, disk))
     return checks
 
 
@@ -299,6 +291,15 @@ def check_serve_bind(recipe: Recipe) -> Check:
     return Check("serve-bind", WARN, f"{serve.host}:{serve.port} with no API key", required,
                  "start the server with `dsv4-offload serve --api-key-file FILE` (or --set "
                  "serve.api_key_file=FILE), or bind loopback: --set serve.host=127.0.0.1")
+
+
+def recipe_rows(recipe: Recipe) -> list[Check]:
+    """The rows judged from the recipe alone (core/preflight's RECIPE declarations), which
+    `recipe validate` shows too."""
+    if "serve" in recipe.not_applicable:
+        return []
+    rows = [check_serve_bind(recipe), extra_args.recipe_row(recipe.serve)]
+    return [r for r in rows if r is not None and recipe_only([r.name])]
 
 
 def check_python(ctx: StageContext, facts: HostFacts) -> Check:
@@ -651,15 +652,15 @@ def check_runtime(recipe: Recipe, facts: HostFacts, rf: RuntimeFacts) -> list[Ch
 
 
 def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
-             binfmt: str = "absent", runtime: RuntimeFacts | None = None
-             ) -> tuple[list[Check], NpuInfo | None]:
+             binfmt: str = "absent", runtime: RuntimeFacts | None = None,
+             disk: list[FsNeed] | None = None) -> tuple[list[Check], NpuInfo | None]:
     """All checks of the recipe's host section against these facts (pure: no probing).
 
     Each row is judged where its stage runs: with the build in the recipe's container, the
     toolchain and CANN rows belong to the image and are shown as such on the host."""
     checks = check_cpu(recipe, facts)
     checks.append(check_numa(recipe, facts))
-    checks += check_memory_and_disk(recipe, facts)
+    checks += check_memory_and_disk(recipe, facts, disk)
     chosen = None
     if has_npu(recipe):  # a recipe without an NPU needs no driver, device node or CANN
         npu_checks, chosen = check_npu(recipe, facts, device)
@@ -676,7 +677,7 @@ def evaluate(recipe: Recipe, facts: HostFacts, device: int | None = None,
     if "serve" not in recipe.not_applicable:
         checks.append(check_page_cache(recipe, facts))
         checks.append(check_memory_plan(recipe, facts))
-        checks.append(check_serve_bind(recipe))
+        checks += recipe_rows(recipe)
     if runtime is not None:
         checks += check_runtime(recipe, facts, runtime)
     return checks, chosen
@@ -718,7 +719,8 @@ def run(ctx: StageContext) -> StageResult:
     ctx.host_facts = facts
     binfmt = binfmt_state(facts.root) if cross_tools(ctx.recipe) else "absent"
     runtime = probe_runtime(ctx.recipe, facts)
-    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt, runtime)
+    checks, chosen = evaluate(ctx.recipe, facts, _device_option(ctx), binfmt, runtime,
+                              diskplan.run_disk(ctx.recipe, ctx.workspace, facts.disk_free_bytes))
     image = image_side(ctx.recipe, runtime.inside)
     if ctx.recipe.host.npu_models:  # the launcher's choice: a python with torch_npu and sglang
         python = check_python(ctx, facts)
@@ -753,10 +755,10 @@ def run(ctx: StageContext) -> StageResult:
     device = chosen.device_id if chosen is not None else None
     atomic_write_json(report_path, {
         "schema": 1, "written": now_iso(), "recipe": ctx.recipe.name, "status": status.value,
-        "summary": summary, "device": device, "checks": [c.as_dict() for c in checks],
+        "summary": summary, "device": device, "checks": [annotate(c.as_dict()) for c in checks],
         "host": host,
     })
-    data = {"checks": [c.as_dict() for c in checks], "host": host, "device": device,
+    data = {"checks": [annotate(c.as_dict()) for c in checks], "host": host, "device": device,
             "report": str(report_path)}
     return StageResult(status, summary, data=data, problems=problems, log=str(report_path),
                        outputs={"host": host, "device": device, "report": str(report_path)})
@@ -781,7 +783,9 @@ def fingerprint_inputs(ctx: StageContext) -> dict[str, str]:
     from dsv4_offload.build.interpreter import PYTHON_BIN_ENV, recorded_python
 
     return {
-        "checks": _digest(sorted((c.name, c.status, c.required) for c in checks)),
+        # the disk row moves with every byte downloaded: free disk is no input, as above
+        "checks": _digest(sorted((c.name, c.status, c.required) for c in checks
+                                 if c.name != "disk")),
         "python": _digest([recorded_python(ctx), os.environ.get(PYTHON_BIN_ENV),
                            ctx.options_as(DoctorOptions).python]),
         "host.cpu": _digest([f.arch, sorted(f.cpu_flags), f.cores, f.cpu_model]),

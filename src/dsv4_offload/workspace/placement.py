@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Literal
 from dsv4_offload.core import childrun
 
 if TYPE_CHECKING:
+    from dsv4_offload.core.options import StageOptions
     from dsv4_offload.recipe import Recipe
 
 Placement = Literal["host", "container"]
@@ -52,19 +53,24 @@ def forced_host() -> bool:
     return os.environ.get(RUNTIME_ENV, "") == "host"
 
 
-def runs_in_container(recipe: Recipe, stage: str) -> bool:
+def runs_in_container(recipe: Recipe, stage: str, options: StageOptions | None = None,
+                      announce: bool = False) -> bool:
     """Whether this process sends ``stage`` into the recipe's container.
 
-    Not from a process our `docker exec` started (it is inside), nor with ``--runtime host``
-    (said once on stderr), nor from inside some container without a docker client (the
-    operator entered the image by hand, as the guide does): there the stage runs where it is.
+    Not when the command's work needs nothing of the image (``options.needs_image()``: an
+    HTTP check of a given URL), nor from a process our `docker exec` started (it is inside),
+    nor with ``--runtime host`` (said once on stderr when the stage is about to run,
+    ``announce``), nor from inside some container without a docker client (the operator
+    entered the image by hand, as the guide does): there the stage runs where it is.
     """
     if placement_of(recipe, stage) != CONTAINER:
+        return False
+    if options is not None and not options.needs_image():
         return False
     if childrun.container_name():
         return False
     if forced_host():
-        if stage not in _warned:
+        if announce and stage not in _warned:
             _warned.add(stage)
             sys.stderr.write(f"warning: running {stage} on the host although the recipe puts "
                              f"it in container {recipe.runtime.image}\n")

@@ -90,6 +90,17 @@ def access_error(path: Path, write: bool = True) -> InputError:
         owner, mode = "unknown", "?"
     me = _user(os.geteuid()) if hasattr(os, "geteuid") else "you"
     need = "read and write" if write else "read"
+    if me == owner and not (hasattr(os, "geteuid") and os.geteuid() == 0):
+        return InputError(
+            f"workspace directory {probe} is yours (mode {mode}) but you cannot {need} it; "
+            f"`chmod u+rwx {probe}`, or pick another --workspace DIR")
+    if hasattr(os, "geteuid") and os.geteuid() == 0:
+        # root is refused only by a read-only or pseudo filesystem (/sys, /proc) or an
+        # immutable flag; chown would not help
+        return InputError(
+            f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) "
+            f"cannot {need} it: a read-only or pseudo filesystem, where chown does not "
+            "help; pick another --workspace DIR")
     return InputError(
         f"workspace directory {probe} is owned by {owner} (mode {mode}) and you ({me}) cannot "
         f"{need} it; run as {owner}, or `sudo chown -R {me} {probe}`, or pick another "
@@ -101,8 +112,8 @@ def through_a_file_error(path: Path) -> InputError | None:
     None. The first file on the way is named."""
     for part in reversed(path.parents):
         if os.path.exists(part) and not os.path.isdir(part):
-            return InputError(f"{part} is a file, not a directory, so no workspace can be "
-                              f"under it ({path}); pick another --workspace DIR")
+            return InputError(f"{path}: {part} is a file, not a directory; pick another "
+                              "--workspace DIR")
     return None
 
 
