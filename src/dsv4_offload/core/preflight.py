@@ -66,6 +66,7 @@ DECLARED: tuple[PreCheck, ...] = (
     PreCheck("binfmt-*", "/proc/sys/fs/binfmt_misc", ("selftest",)),
     PreCheck("page-cache", "/proc/meminfo against the GGUF set", ("serve",)),
     PreCheck("memory-plan", "/proc/meminfo against the serve plan", ("serve",)),
+    PreCheck("shm", "/dev/shm, /proc/*/fd and /proc/*/maps, the serve record", ("serve",)),
     PreCheck("serve-bind", "serve.host, serve.api_key_file", (), Where.RECIPE),
     PreCheck("extra-args", "serve.extra_args against sglang's flags", ("serve",),
              Where.RECIPE),
