@@ -120,14 +120,9 @@ def _history(hub: str, repo_id: str, revision: str, not_after: dt.date | None,
 def _huggingface(repo_id: str, revision: str, not_after: dt.date | None, endpoint: str,
                  timeout: float) -> list[tuple[str, dt.datetime | None, str]]:
     from huggingface_hub import HfApi
-    from huggingface_hub.errors import (
-        HfHubHTTPError,
-        RepositoryNotFoundError,
-        RevisionNotFoundError,
-    )
 
     api = HfApi(endpoint=endpoint)
-    try:
+    with hubs.huggingface_errors(repo_id, revision, endpoint):
         # one plain request first: the head and its date often answer alone, and a hub that
         # cannot be reached fails here at once (the history's pager retries for ~20 s)
         info = api.model_info(repo_id, revision=revision, timeout=timeout)
@@ -137,20 +132,6 @@ def _huggingface(repo_id: str, revision: str, not_after: dt.date | None, endpoin
                                  and info.last_modified < cutoff(not_after)):
             return [(info.sha, info.last_modified, "")]
         commits = api.list_repo_commits(repo_id, revision=info.sha)
-    except RevisionNotFoundError:
-        raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
-                         "weights.*.revision in the recipe") from None
-    except RepositoryNotFoundError:
-        raise InputError(f"{repo_id} not found on huggingface at {redact(endpoint)} (or it is "
-                         "gated: log in with `hf auth login`); fix weights.*.repo_id") from None
-    except (HfHubHTTPError, OSError) as exc:
-        raise hubs.unreachable("huggingface", repo_id, endpoint, exc) from None
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise hubs.not_a_listing("huggingface", repo_id, endpoint, exc) from None
-    except Exception as exc:
-        if type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore")):
-            raise hubs.unreachable("huggingface", repo_id, endpoint, exc) from None
-        raise
     return [(c.commit_id, c.created_at, c.title) for c in commits]
 
 

@@ -212,22 +212,19 @@ def list_files(hub: str, repo_id: str, revision: str, allow_patterns: list[str],
     return listing
 
 
-def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
-    from huggingface_hub import HfApi
+@contextlib.contextmanager
+def huggingface_errors(repo_id: str, revision: str, endpoint: str) -> Iterator[None]:
+    """huggingface_hub's errors as this tool's one-line ones: a revision or repository the
+    hub does not have is the recipe's to fix; a hub not reached is unreachable; an answer of
+    another shape is not a listing."""
     from huggingface_hub.errors import (
         HfHubHTTPError,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
-    from huggingface_hub.hf_api import RepoFile
 
-    api = HfApi(endpoint=endpoint)
     try:
-        info = api.repo_info(repo_id, revision=revision)
-        if not info.sha:
-            raise HubError(f"{redact(endpoint)}: repo info of {repo_id}@{revision} has no "
-                           "commit sha")
-        entries = list(api.list_repo_tree(repo_id, recursive=True, revision=info.sha))
+        yield
     except RevisionNotFoundError:
         raise InputError(f"{repo_id} on huggingface has no revision '{revision}'; fix "
                          "weights.*.revision in the recipe") from None
@@ -244,6 +241,19 @@ def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
         if type(exc).__module__.split(".")[0].startswith(("httpx", "httpcore")):
             raise unreachable("huggingface", repo_id, endpoint, exc) from None
         raise
+
+
+def _list_huggingface(repo_id: str, revision: str, endpoint: str) -> HubListing:
+    from huggingface_hub import HfApi
+    from huggingface_hub.hf_api import RepoFile
+
+    api = HfApi(endpoint=endpoint)
+    with huggingface_errors(repo_id, revision, endpoint):
+        info = api.repo_info(repo_id, revision=revision)
+        if not info.sha:
+            raise HubError(f"{redact(endpoint)}: repo info of {repo_id}@{revision} has no "
+                           "commit sha")
+        entries = list(api.list_repo_tree(repo_id, recursive=True, revision=info.sha))
     files = []
     try:
         for e in entries:
