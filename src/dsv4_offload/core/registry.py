@@ -138,7 +138,9 @@ STAGES: tuple[StageSpec, ...] = (
     # where the built kt-kernel is: its fingerprint_inputs has the extension's files
     StageSpec("verify-gguf", ("convert",), ("conversion", "selftest.real_layer"),
               summary="sizes, digests, bit-exact, a layer through kt-kernel", branch="weights",
-              reads=("build.steps", "selftest.module_dir")),
+              # sources: where the delivery's digest manifest is checked out; its content is
+              # pinned by conversion.digests_manifest.sha256, a fingerprint input already
+              reads=("build.steps", "selftest.module_dir", "sources")),
     StageSpec(
         "serve",
         ("build", "verify-gguf"),
