@@ -347,9 +347,10 @@ def signal_mid_layer(ws: Path, source: Path, sig: signal.Signals, jobs: int = 1)
     return proc.returncode
 
 
-# Three layers: on a loaded machine the test may only get to send its signal after the
-# first layer is done, and the signal must still land in the middle of a conversion.
-SIGNAL_SIZE = dataclasses.replace(MID_SIZE, layers=3)
+# Eight layers: on a loaded machine the test may only get to send its signal after the
+# first layers are done, and the signal must still land in the middle of a conversion (with
+# three, a CI run under full load once saw the whole conversion end before the signal)
+SIGNAL_SIZE = dataclasses.replace(MID_SIZE, layers=8)
 
 
 def complete_or_absent(gguf: Path, dims: MoeDims) -> list[Path]:
