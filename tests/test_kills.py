@@ -15,10 +15,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE, TESTS, run_cli
-from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
+from conftest import TESTS, run_cli
+from serve_helpers import leftovers
 from standin_hub import HubRepo, StandinHub, isolate_clients, tiny_model_repo
-from test_serve_cli import host_env
+from test_serve_cli import standin_on_host
 
 from dsv4_offload.recipe import load_recipe_and_series
 from dsv4_offload.stages import download
@@ -292,12 +292,7 @@ SERVE_POINTS = ["after:stage.started:1:KILL", "before:stage.done:1:KILL",
 @pytest.mark.parametrize("spec", SERVE_POINTS)
 def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agree_on(
         tmp_path: Path, no_leftovers: str, spec: str) -> None:
-    ws = make_workspace(tmp_path / "ws")
-    port = free_port()
-    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
-            for a in ("--set", o)]
-    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
-    env = host_env("x86-no-npu")
+    ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
     killed = subprocess.run([sys.executable, str(KILLPOINT), spec, "--", *base, "serve",
                              "--detach"], env={**os.environ, **env, TAG: str(tmp_path)},
                             capture_output=True, text=True, timeout=120,

@@ -12,9 +12,9 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE, run_cli
-from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
-from test_serve_cli import host_env
+from conftest import run_cli
+from serve_helpers import free_port, leftovers, make_workspace
+from test_serve_cli import host_env, standin_on_host
 
 from dsv4_offload.core import procs
 
@@ -47,12 +47,7 @@ def take_pid(pid: int, argv: list[str]) -> subprocess.Popen[bytes]:
 
 def test_serve_stop_leaves_a_newcomer_holding_the_dead_servers_pid_alone(tmp_path: Path,
                                                                           no_leftovers: str):
-    ws = make_workspace(tmp_path / "ws")
-    port = free_port()
-    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
-            for a in ("--set", o)]
-    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
-    env = host_env("x86-no-npu")
+    ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
     started = run_cli(*base, "serve", "--detach", env=env)
     assert started.code == 0, started
     record = json.loads(ws.serve_record.read_text())

@@ -14,6 +14,8 @@ import requests
 from conftest import HOST_RECIPE, run_cli
 from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 
+from dsv4_offload.workspace.store import Workspace
+
 HOSTS = Path(__file__).parent / "fixtures" / "hosts"
 
 
@@ -23,6 +25,18 @@ def host_env(name: str) -> dict[str, str]:
     if (root / "npu-smi-info.txt").is_file():
         env["DSV4_NPU_SMI"] = f"cat {shlex.quote(str(root / 'npu-smi-info.txt'))}"
     return env
+
+
+def standin_on_host(tmp_path: Path, tag: str, *args: str
+                    ) -> tuple[Workspace, int, list[str], dict[str, str]]:
+    """What a serve test of the CLI starts from: a workspace, a free port, the global words
+    that serve the stand-in (``args``: its flags) on this host (HOST_RECIPE), and the
+    environment of the x86 host fixture without an NPU."""
+    ws = make_workspace(tmp_path / "ws")
+    port = free_port()
+    sets = [a for o in standin_overrides(tag, port, *args) for a in ("--set", o)]
+    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
+    return ws, port, base, host_env("x86-no-npu")
 
 
 def test_serve_print_on_the_kunpeng_host_shows_the_launch_line(tmp_path):
@@ -65,13 +79,7 @@ def test_serve_without_npu_or_cann_says_what_to_do(tmp_path):
 
 
 def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
-    ws = make_workspace(tmp_path / "ws")
-    port = free_port()
-    sets = [a for o in standin_overrides(no_leftovers, port, "--mode", "good")
-            for a in ("--set", o)]
-    # a stand-in server on this host (HOST_RECIPE)
-    base = ["--workspace", str(ws.root), "-r", str(HOST_RECIPE), *sets]
-    env = host_env("x86-no-npu")
+    ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
     started = run_cli(*base, "serve", "--detach", env=env)
     assert started.code == 0, started
     assert f"http://127.0.0.1:{port}" in started.out
