@@ -622,6 +622,21 @@ def test_a_key_file_anywhere_crosses_owner_only_and_off_argv(
     assert stat.S_IMODE(crossed.parent.stat().st_mode) == 0o700
     everything = (Path(docker_env["FAKE_DOCKER"]) / "argv.jsonl").read_text()
     assert key not in everything and key not in (ws / "logs/container/serve.log").read_text()
+    # accept's own key crosses for its run alone; the server's stays while it may run
+    (home / "accept.key").write_text("sk-accept\n")
+    r = cli(*_args(ws), "accept", "--api-key-file", str(home / "accept.key"), env=env)
+    assert r.code == 0, r
+    assert list((ws / ".dsv4" / "keys").iterdir()) == [crossed]
+    # no server runs (the stand-in stage starts none; its record names the copy): `serve
+    # stop`, run in the container where serve ran, removes the copy, and only it
+    from dsv4_offload.serving.supervisor import ServeRecord, write_record
+
+    write_record(ws / ".dsv4/run/serve.json", ServeRecord(
+        1, None, "http://127.0.0.1:9", str(ws / "s.log"), [], "2026-12-07T00:00:00+00:00",
+        "stopped", None, None, {"api_key_file": str(crossed)}))
+    r = cli(*_args(ws), "serve", "stop", env=env)
+    assert r.code == 0 and "no server running" in r.out, r
+    assert not crossed.exists() and (home / "api.key").read_text() == key + "\n"
 
 
 def test_a_file_the_container_cannot_see_is_refused_before_any_container_work(

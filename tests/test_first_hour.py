@@ -19,7 +19,7 @@ CHUNK_LINE = ("--chunked-prefill-size -1 (serve.extra_args): must be a positive 
 
 
 def cli(tmp_path: Path, *args: str, host: str | None = "x86-no-npu",
-        path: str | None = None) -> subprocess.CompletedProcess[str]:
+        path: str | None = None, **more_env: str) -> subprocess.CompletedProcess[str]:
     if not SCRIPT.exists():
         pytest.skip(f"no console script at {SCRIPT} (install the project into this venv)")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_", "ASCEND_"))}
@@ -28,6 +28,7 @@ def cli(tmp_path: Path, *args: str, host: str | None = "x86-no-npu",
         env["DSV4_HOST_ROOT"] = str(HOSTS / host)
     if path is not None:
         env["PATH"] = path
+    env.update(more_env)
     return subprocess.run([str(SCRIPT), "--workspace", str(tmp_path / "ws"), *args],
                           capture_output=True, text=True, env=env, timeout=180,
                           stdin=subprocess.DEVNULL)
@@ -236,3 +237,39 @@ def test_root_is_not_told_to_chown_a_pseudo_filesystem(tmp_path: Path) -> None:
     assert proc.returncode == 2, proc
     assert "chown -R" not in proc.stderr and "run as root" not in proc.stderr, proc.stderr
     assert "you (root) cannot read and write it: a read-only or pseudo filesystem" in proc.stderr
+
+
+def test_a_failed_fetch_says_its_error_once(tmp_path: Path) -> None:
+    """Every git URL goes through a proxy on a closed local port: the fetch fails as offline
+    (no host is ever reached). Its error is in fetch's table, once, as `fetch` shows it; the
+    progress line and the end of the run point there."""
+    dead = "http://127.0.0.1:9"
+    proc = cli(tmp_path, "-r", "dsv4-flash-x86-dev", "--runtime", "host", "run", "--to",
+               "fetch", https_proxy=dead, HTTPS_PROXY=dead, http_proxy=dead, no_proxy="",
+               NO_PROXY="", DSV4_CACHE=str(tmp_path / "cache"))
+    assert proc.returncode == 1, proc
+    out = proc.stdout
+    assert out.count("ktransformers': commit") == 1, out  # the error, once
+    assert out.count("--mirror ktransformers=URL") == 1, out  # its fix, once, in the fix column
+    assert out.index("┃check") < out.index("fetch: failed —"), out  # doctor's table first
+    assert "fetch failed: its error is shown above (log: " in out
+    assert "Traceback" not in proc.stderr
+
+
+def test_status_says_whose_records_it_shows(tmp_path: Path) -> None:
+    """A workspace shared by two recipes: `status` under one names the stages recorded under
+    the other, and how to read them as that recipe does."""
+    first = cli(tmp_path, "-r", "dsv4-flash-x86-dev", "--runtime", "host", "run", "--to",
+                "doctor")
+    assert first.returncode == 1, first  # the x86-no-npu fixture fails some of its rows
+    proc = cli(tmp_path, "--json", "status")
+    doc = json.loads(proc.stdout)
+    assert doc["status"] == "warn", doc
+    assert doc["data"]["warnings"] == [
+        "doctor: recorded under recipe dsv4-flash-x86-dev, not dsv4-flash-910b; "
+        "`-r dsv4-flash-x86-dev status` reads them as that recipe does"]
+    doctor = next(r for r in doc["data"]["stages"] if r["name"] == "doctor")
+    assert doctor["recipe"] == "dsv4-flash-x86-dev"
+    same = json.loads(cli(tmp_path, "--json", "-r", "dsv4-flash-x86-dev", "status").stdout)
+    assert same["data"]["warnings"] == [] and all(r["recipe"] is None
+                                                  for r in same["data"]["stages"])

@@ -184,6 +184,14 @@ def test_recipe_list_and_unknown_recipe(cli) -> None:
     assert res.code == 0
     assert {r["name"] for r in res.json()["data"]} == {
         "dsv4-flash-910b", "dsv4-flash-a3", "dsv4-flash-x86-dev", "dsv4-flash-arm-rehearsal"}
+    data = res.json()["data"]
+    lines = cli("recipe", "list").out.splitlines()
+    column = lines[0].index(data[0]["description"].split()[0])  # where descriptions start
+    for line in lines:  # each a recipe's row or its description's next line, aligned
+        assert len(line) <= 120 and line[column - 2:column] == "  " and line[column] != " ", line
+    # every word of every description, none cut
+    words = " ".join(ln[column:] for ln in lines).split()
+    assert words == " ".join(d["description"] for d in data).split()
     res = cli("--recipe", "dsv4-nope", "recipe", "validate")
     assert res.code == 2 and "is not bundled" in res.err and re.search("dsv4-flash-a3", res.err)
 

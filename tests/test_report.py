@@ -71,7 +71,7 @@ def test_report_bundle_has_what_a_maintainer_needs_and_no_secret(tmp_path: Path)
     files = _extract(out)
     for name in ("README.txt", "recipe.yaml", "sources.lock.json", "doctor.json",
                  "versions.json", "records/state.json", "records/run/serve.json",
-                 "logs/logs/download/download.log.tail"):
+                 "logs/download/download.log.tail"):
         assert name in files, sorted(files)
     assert any(n.endswith("server.log.tail") for n in files), sorted(files)
     assert "name: dsv4-flash-910b" in files["recipe.yaml"]
@@ -80,13 +80,13 @@ def test_report_bundle_has_what_a_maintainer_needs_and_no_secret(tmp_path: Path)
     assert {s["name"] for s in versions["sources"]} >= {"ktransformers", "sglang"}
     doctor = json.loads(files["doctor.json"])
     assert doctor["status"] in ("ok", "warn", "failed", "error"), doctor
-    assert "download finished" in files["logs/logs/download/download.log.tail"]
+    assert "download finished" in files["logs/download/download.log.tail"]
     # the secrets are gone, wherever they were planted; the rest of the line stays
     blob = "\n".join(files.values())
     for secret in SECRETS:
         assert secret not in blob, (secret, [n for n, t in files.items() if secret in t])
     assert "git.example.com/ktransformers.git" in files["records/state.json"]
-    assert "***" in files["logs/logs/download/download.log.tail"]
+    assert "***" in files["logs/download/download.log.tail"]
 
 
 def test_report_works_without_a_workspace_or_a_valid_recipe(tmp_path: Path) -> None:

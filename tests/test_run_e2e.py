@@ -244,8 +244,12 @@ def test_a_corrupt_shard_stops_only_its_layer_and_the_rerun_fetches_just_it(
     res = site.run("run")  # as a user reads it; the events are in the run's events file
     assert res.code == 1, res
     assert "run finished with download, convert stopped" in res.out, res
+    # the failure said once, as convert's own command shows it, the moment convert ended
+    table = res.out[res.out.index("download: failed —"):res.out.index("convert: failed —")]
+    assert f"layer 1: its shard {bad} failed to" in table, res.out
+    assert "convert: failed — 1 of 6 layer(s) not converted" in res.out
     said = next(x for x in res.out.splitlines() if x.startswith("convert failed: "))
-    assert f"layer 1: its shard {bad} failed to download: sha256" in said, said
+    assert said.startswith("convert failed: its error is shown above (log: "), said
     assert "blocked by it: verify-gguf, serve, accept" in res.out
     docs = site.events()
     finished = docs[-1]

@@ -142,7 +142,11 @@ def test_a_failing_build_leaves_the_download_running(tmp_path: Path, fake_stages
     _behave(ws, build="fail", download="until build failed")
     res = _cli(ws, fake_stages_env, "run")
     assert res.code == 1, res
-    assert "build failed: build failed on purpose: told to fail" in res.out, res
+    # the error once, as build's own command says it, as it ended; the end line points there
+    assert res.out.count("told to fail") == 1, res
+    assert "│ told to fail │ remove behave file│" in res.out, res
+    assert "build: failed — build failed on purpose\n" in res.out, res
+    assert "build failed: its error is shown above" in res.out, res
     assert "blocked by it: selftest, serve, accept" in res.out
     assert "run finished with build stopped" in res.out
     assert "went on to the end: doctor, fetch, patch, download, convert, verify-gguf" in res.out

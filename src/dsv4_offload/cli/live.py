@@ -59,8 +59,9 @@ class JsonLines:
 
 
 class PlainLines:
-    def __init__(self, quiet: bool = False) -> None:
+    def __init__(self, quiet: bool = False, results_follow: bool = False) -> None:
         self.quiet = quiet
+        self.results_follow = results_follow  # a failure's result is rendered as it ends
         self.flight = InFlight()
 
     def __enter__(self) -> PlainLines:
@@ -71,7 +72,7 @@ class PlainLines:
 
     def event(self, doc: dict[str, Any]) -> None:
         self.flight.feed(doc)
-        if self.quiet:
+        if self.quiet or (self.results_follow and doc.get("event") == "stage.failed"):
             return
         line = plain_line(doc, self.flight)
         if line:
@@ -202,13 +203,17 @@ def plan_lines(items: list[Any], cpu: Any, disk: list[Any]) -> list[str]:
     return out
 
 
-def outcome_lines(outcome: Any) -> list[str]:
-    """The end of a pipelined run: each branch that stopped (stage, why, log, what it
-    blocked), then one line of counts."""
+def outcome_lines(outcome: Any, said: dict[str, str] | None = None) -> list[str]:
+    """The end of a pipelined run: each branch that stopped (stage, why — or where, for the
+    stages in ``said``, whose failure is said elsewhere —, log, what it blocked), then one
+    line of counts."""
+    said = said or {}
     out = []
     for branch in outcome.branches():
         log = f" (log: {branch['log']})" if branch.get("log") else ""
-        out.append(escape(f"{branch['stage']} {branch['state']}: {branch['error']}{log}"))
+        why = (f"its error is {said[branch['stage']]}" if branch["stage"] in said
+               and branch["state"] == "failed" else branch["error"])
+        out.append(escape(f"{branch['stage']} {branch['state']}: {why}{log}"))
         if branch["blocked"]:
             out.append(escape(f"  blocked by it: {', '.join(branch['blocked'])}"))
     counts: dict[str, int] = {}

@@ -121,20 +121,22 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
                 console().print(line, soft_wrap=True)
         exit_with(ExitCode.OK)
     view: Any
+    shown = not (g.json or g.quiet)  # each stage's result is rendered the moment it ends
     if g.json:
         view = live.JsonLines()
     elif g.quiet or not console().is_terminal:
-        view = live.PlainLines(quiet=g.quiet)
+        view = live.PlainLines(quiet=g.quiet, results_follow=shown)
     else:
         view = live.LiveView(pctx.recipe.conversion.layers)
+    rendered: set[str] = set()
+    on_finish = _result_renderer(g, schedule, rendered) if shown else None
     items, _ = schedule.overlapped_plan(pctx, start, stop, force)
     short = schedule.diskplan.shortfall(schedule.disk_needs(pctx, items))
     if short:  # the preflight first: doctor's table, every failing row, then the refusal
         with pctx.workspace.lock("run"), view:
             outcome = schedule.Scheduler(pctx, "doctor", "doctor", ("doctor",),
-                                         on_event=view.event, verbose=g.verbose).run(
-                                             check_disk=False)
-        _show_outcome(g, outcome, schedule, live)
+                                         on_event=view.event, verbose=g.verbose,
+                                         on_finish=on_finish).run(check_disk=False)
         if outcome.failed:  # its disk row says what this run says: the one figure, once
             short = ("run stopped before any work: doctor failed (see its table); fix those "
                      "rows and rerun `run`")
@@ -147,10 +149,11 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
         exit_with(ExitCode.FAILED)
     with pctx.workspace.lock("run"), view:
         outcome = schedule.Scheduler(pctx, start, stop, force, on_event=view.event,
-                                     verbose=g.verbose).run()
+                                     verbose=g.verbose, on_finish=on_finish).run()
     if not g.json:
-        _show_outcome(g, outcome, schedule, live)
-        for line in live.outcome_lines(outcome)[-1 if g.quiet else 0:]:
+        said = {s.name: "on the error line below" for s in outcome.failed if s.cli_error}
+        said.update(dict.fromkeys(rendered, "shown above"))
+        for line in live.outcome_lines(outcome, said)[-1 if g.quiet else 0:]:
             console().print(line, soft_wrap=True)
     for s in outcome.failed:  # on stderr in every mode, --json too (as `run --serial` does)
         if s.cli_error:  # the one line the stage's own command would have printed
@@ -161,16 +164,23 @@ def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str |
     exit_with(outcome.exit_code)
 
 
-def _show_outcome(g: Any, outcome: Any, schedule: Any, live: Any) -> None:
-    """Each stage's result as its own command shows it (doctor: its table of checks)."""
+def _result_renderer(g: Any, schedule: Any, rendered: set[str]) -> Any:
+    """What a stage's own command shows, printed as the stage ends: a failure's problems and
+    fixes (said once: the progress line and the end of the run refer to it), doctor's table
+    of checks. A stage done without checks or problems said all in its progress line; one
+    that stopped on an error of its command has that line on stderr at the end."""
     from dsv4_offload.cli.render import render_result
 
-    if g.json or g.quiet:
-        return
-    for s in outcome.slots:
+    def show(s: Any) -> None:
         result = schedule.stage_result(s)
-        if result is not None and s.state != "interrupted":
-            render_result(s.name, result, verbose=g.verbose)
+        if result is None or s.state == "interrupted" or (s.result is None and s.cli_error):
+            return
+        checks = result.data.get("checks") if isinstance(result.data, dict) else None
+        if s.state == "done" and not checks and not result.problems:
+            return
+        render_result(s.name, result, verbose=g.verbose)
+        rendered.add(s.name)
+    return show
 
 
 def status(ctx: typer.Context) -> None:
@@ -199,7 +209,15 @@ def status(ctx: typer.Context) -> None:
         why = r.reason or r.summary
         if r.state in ("failed", "interrupted") and r.log:
             why += f" (see the log: {r.log})"
+        if r.recipe:
+            why += f" [recipe {r.recipe}]"
         lines.append((r.name, r.state, why, r.started or "", r.ended or ""))
+    others = sorted({r.recipe for r in rows if r.recipe})
+    if others:  # a workspace shared by recipes: say whose records these are
+        names = [r.name for r in rows if r.recipe]
+        warnings.append(
+            f"{', '.join(names)}: recorded under recipe {', '.join(others)}, not "
+            f"{pctx.recipe.name}; `-r {others[0]} status` reads them as that recipe does")
     counts = Counter(r.state for r in rows)
     summary = "status: " + ", ".join(f"{n} {state}" for state, n in counts.items())
     summary += f" ({ws.root})"

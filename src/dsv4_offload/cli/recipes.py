@@ -33,9 +33,27 @@ def recipe_list(ctx: typer.Context) -> None:
         r = load_recipe(name)
         data.append({"name": name, "npu": r.platform.npu, "cann": r.platform.cann,
                      "description": r.description})
-    emit(ctx, command="recipe list", status="ok", data=data,
-         lines=[f"{d['name']:20} {d['npu']:5} CANN {d['cann']:7} {d['description'][:60]}"
-                for d in data], payload=True)
+    emit(ctx, command="recipe list", status="ok", data=data, lines=_list_lines(data),
+         payload=True)
+
+
+def _list_lines(data: list[dict[str, str]]) -> list[str]:
+    """One recipe a line: name, NPU and CANN in columns as wide as their longest value, the
+    description wrapped at word boundaries to the terminal, under its own column."""
+    import textwrap
+
+    from dsv4_offload.cli.render import console
+
+    wide = {k: max(len(str(d[k])) for d in data) for k in ("name", "npu", "cann")}
+    lines = []
+    for d in data:
+        head = (f"{d['name']:{wide['name']}}  {d['npu']:{wide['npu']}}  "
+                f"CANN {d['cann']:{wide['cann']}}  ")
+        text = textwrap.wrap(d["description"], max(30, console().width - len(head)),
+                             break_on_hyphens=False) or [""]
+        lines.append(head + text[0])
+        lines.extend(" " * len(head) + more for more in text[1:])
+    return lines
 
 
 def _redacted(node: Any, redact: Any) -> Any:

@@ -220,16 +220,18 @@ def collect(typer_ctx: typer.Context) -> tuple[dict[str, str], list[str]]:
     logs = sorted({p for d in (ws.root / "logs", ws.run_dir, ws.meta_dir) if d.is_dir()
                    for p in d.rglob("*.log") if p.is_file()})
     logs += sorted({Path(p) for p in _named_logs(*records) if Path(p).is_file()} - set(logs))
-    for path in logs:
-        rel = path.relative_to(ws.root) if path.is_relative_to(ws.root) else Path(
-            "elsewhere", *path.parts[1:])
+    for path in logs:  # at its place under the workspace's logs/ (the others beside them)
+        rel = path.relative_to(ws.root / "logs") if path.is_relative_to(ws.root / "logs") \
+            else path.relative_to(ws.root) if path.is_relative_to(ws.root) \
+            else Path("elsewhere", *path.parts[1:])
         files[f"logs/{rel}.tail"] = _tail(path)
     files["README.txt"] = (
         f"dsv4-offload report, {time.strftime('%Y-%m-%d %H:%M:%S %Z')}\n"
         f"workspace: {ws.root}{'' if ws.root.is_dir() else ' (does not exist)'}\n"
-        f"{len(logs)} logs (last {TAIL} lines each). Redacted: URL credentials, secret-named "
-        "environment variables' values, API key files' contents, token shapes; check the "
-        "files before you share them anyway.\n")
+        f"{len(logs)} logs (last {TAIL} lines each): logs/X.tail is the workspace's logs/X, "
+        "or X when the workspace has no logs/X, or elsewhere/X for /X. Redacted: URL "
+        "credentials, secret-named environment variables' values, API key files' contents, "
+        "token shapes; check the files before you share them anyway.\n")
     key_files = _key_files(recipe_doc, *records)
     return files, secret_values(dict(os.environ), key_files)
 

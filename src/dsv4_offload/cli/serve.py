@@ -293,15 +293,25 @@ def serve_stop(ctx: typer.Context) -> None:
         if record is not None and record.state in ("starting", "running"):
             # its supervisor was killed with it: close the record, so status tells the truth
             sv.stop_recorded(sctx.workspace.serve_record, sctx.recipe.serve.stop_timeout_s)
+        _forget_key(sctx.workspace, record)
         kit.emit(ctx, command="serve stop", status="ok", data={"stopped": False},
                     lines=["no server running"])
         return
     stopped, how = sv.stop_recorded(sctx.workspace.serve_record,
                                     sctx.recipe.serve.stop_timeout_s)
     pid = stopped.server_pid if stopped else None
+    _forget_key(sctx.workspace, stopped)
     kit.emit(ctx, command="serve stop", status="ok", data={"stopped": True, "signal": how,
                                                              "pid": pid},
                 lines=[f"stopped pid {pid} ({how})"])
+
+
+def _forget_key(workspace: Any, record: Any) -> None:
+    """No server runs now: the private copy of its key, if one crossed for it, goes."""
+    from dsv4_offload.serving.crossing import forget
+
+    if record is not None:
+        forget(workspace, (record.extra or {}).get("api_key_file"))
 
 
 def accept(

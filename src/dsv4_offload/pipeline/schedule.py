@@ -235,7 +235,8 @@ class Scheduler:
     def __init__(self, ctx: StageContext, start: str | None = None, stop: str | None = None,
                  force: tuple[str, ...] = (),
                  on_event: Callable[[dict[str, Any]], None] | None = None,
-                 verbose: bool = False) -> None:
+                 verbose: bool = False,
+                 on_finish: Callable[[Slot], None] | None = None) -> None:
         self.ctx = ctx
         self.ws = ctx.workspace
         self.start, self.stop, self.force = start, stop, force
@@ -243,6 +244,7 @@ class Scheduler:
         self.slots = graph(stages)
         self.order = [s.name for s in stages]
         self.on_event = on_event
+        self.on_finish = on_finish  # each stage that ran, once it ended: its result is final
         self.verbose = verbose
         self.path = self.ws.events_file
         self.offset = 0
@@ -395,6 +397,7 @@ class Scheduler:
             s.state, s.error, s.exit_code = StageState.FAILED, exc.one_line(), int(exc.exit_code)
             s.cli_error = s.error
             self._emit("stage.failed", stage=s.name, error=s.error, log=None)
+            self._ended(s)
             return
         if item.action == "skip":
             s.state, s.reason = StageState.SKIPPED, item.reason
@@ -471,6 +474,11 @@ class Scheduler:
                 self._emit("stage.interrupted", stage=s.name, signal=s.error)
             else:
                 self._emit("stage.failed", stage=s.name, error=s.error, log=s.log)
+        self._ended(s)
+
+    def _ended(self, s: Slot) -> None:
+        if self.on_finish is not None:
+            self.on_finish(s)
 
     def _stop_all(self, signum: int | None) -> str:
         """Every running child stopped with the signal we got (Ctrl-C: SIGINT); each

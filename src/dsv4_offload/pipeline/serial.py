@@ -42,7 +42,7 @@ def run_stage(ctx: StageContext, name: str,
     # a running record replaces any earlier 'done': a killed rerun must not look finished
     ws.write_stage_record(name, StageRecord(
         status=StageState.RUNNING, pid=me.pid, pid_start_time=me.start_time, started=started,
-        log=str(sub.log_dir)))
+        log=str(sub.log_dir), recipe=ctx.recipe.name))
     events.emit("stage.started", stage=name, log=str(sub.log_dir),
                 options={k: v for k, v in _given(options).items()
                          if v and isinstance(v, (bool, int, float, str))})
@@ -54,21 +54,21 @@ def run_stage(ctx: StageContext, name: str,
         ws.write_stage_record(name, StageRecord(
             status=StageState.INTERRUPTED, signal=interrupt_name(exc), started=started,
             ended=now_iso(), seconds=round(time.monotonic() - t0, 3),
-            error=f"interrupted by {how}", log=str(sub.log_dir)))
+            error=f"interrupted by {how}", log=str(sub.log_dir), recipe=ctx.recipe.name))
         events.emit("stage.interrupted", stage=name, signal=interrupt_name(exc))
         raise
     except Dsv4Error as exc:
-        _record_failure(ws, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
+        _record_failure(ctx, name, started, t0, exc.one_line(), exc.log or str(sub.log_dir))
         raise
     except Exception as exc:
-        _record_failure(ws, name, started, t0, f"internal error: {exc!r}", str(sub.log_dir))
+        _record_failure(ctx, name, started, t0, f"internal error: {exc!r}", str(sub.log_dir))
         raise
     if result.log is None:
         result.log = str(sub.log_dir)
     if not result.ok:
         first = next((p for p in result.problems if p.severity == Severity.ERROR), None)
         error = result.summary + (f": {first.message}" if first else "")
-        _record_failure(ws, name, started, t0, error, result.log)
+        _record_failure(ctx, name, started, t0, error, result.log)
         return result
     if isinstance(sub.options, FollowOptions) and sub.options.follow:
         _await_streams(ws, stage)
@@ -79,7 +79,7 @@ def run_stage(ctx: StageContext, name: str,
     record = StageRecord(
         status=StageState.DONE, started=started, ended=now_iso(), seconds=seconds,
         fingerprint=fp, outputs=result.outputs, summary=result.summary, result=result.status,
-        log=result.log)
+        log=result.log, recipe=ctx.recipe.name)
     inside = childrun.container_name()
     if inside:  # where its processes live (serve stop/status go there)
         record = record.changed(container=inside)
@@ -112,11 +112,11 @@ def _await_streams(ws: Any, stage: StageSpec, poll: float = 0.2) -> None:
         time.sleep(poll)
 
 
-def _record_failure(ws: Any, name: str, started: str, t0: float, error: str, log: str | None
-                    ) -> None:
-    ws.write_stage_record(name, StageRecord(
+def _record_failure(ctx: StageContext, name: str, started: str, t0: float, error: str,
+                    log: str | None) -> None:
+    ctx.workspace.write_stage_record(name, StageRecord(
         status=StageState.FAILED, started=started, ended=now_iso(),
-        seconds=round(time.monotonic() - t0, 3), error=error, log=log))
+        seconds=round(time.monotonic() - t0, 3), error=error, log=log, recipe=ctx.recipe.name))
     events.emit("stage.failed", stage=name, error=error, log=log)
 
 

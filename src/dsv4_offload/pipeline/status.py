@@ -24,6 +24,7 @@ class StageStatus:
     log: str | None = None
     summary: str = ""
     pid: int | None = None  # running: the process that runs it (the record's)
+    recipe: str | None = None  # the record was made under another recipe than this one
 
     def as_dict(self) -> dict[str, Any]:
         return self.__dict__.copy()
@@ -52,6 +53,7 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: State,
     base = StageStatus(
         stage.name, record.status, started=record.started, ended=record.ended,
         log=record.log, summary=record.summary or "",
+        recipe=record.recipe if record.recipe not in (None, ctx.recipe.name) else None,
     )
     if base.state == StageState.RUNNING:
         # by pid and start time: a pid since reused by another process is not our run

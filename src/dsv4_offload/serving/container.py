@@ -661,6 +661,8 @@ def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
                      standalone: StageOptions | None = None, before: Any = None
                      ) -> StageResult:
     """Run one stage in the container with the lock lent to it; its result from its JSON.
+    The files it reads cross first (serving/crossing.py); the private copies made for it are
+    removed after it, but a server's key, which lives as long as the server.
 
     The inner `run --from S --to S --force S` records the stage in the shared state file
     itself; the host only reads back what it printed. A stand-alone command (`build`,
@@ -668,15 +670,32 @@ def run_stage_inside(ctx: StageContext, stage: str, options: StageOptions,
     in DSV4_STAGE_OPTIONS and the inner `run` gives them to the stage. ``before(ctx, plan,
     options)``, the stage's own check of the running container, may refuse first.
     """
-    from dsv4_offload.core.results import Problem, StageResult, Status
-    from dsv4_offload.serving.crossing import check_recipe_files, cross
+    from dsv4_offload.serving import crossing
 
     plan = plan_container(ctx.recipe, ctx.workspace)
     # every file a process inside must read, checked before any container work
     where = f"container {plan.name}"
-    check_recipe_files(ctx.recipe, stage, plan.mounts, where)
-    options = cross(options, plan.mounts, ctx.workspace, where)
-    standalone = cross(standalone, plan.mounts, ctx.workspace, where) if standalone else None
+    crossing.check_recipe_files(ctx.recipe, stage, plan.mounts, where)
+    given = options
+    options = crossing.cross(options, plan.mounts, ctx.workspace, where)
+    made = crossing.copies(given, options)
+    if standalone is not None:
+        crossed = crossing.cross(standalone, plan.mounts, ctx.workspace, where)
+        made += crossing.copies(standalone, crossed)
+        standalone = crossed
+    result = None
+    try:
+        result = _inside(ctx, stage, plan, options, standalone, before)
+        return result
+    finally:  # a server keeps its key until it stops (`serve stop` removes it then)
+        if stage != "serve" or result is None or not result.ok:
+            crossing.forget(ctx.workspace, *made)
+
+
+def _inside(ctx: StageContext, stage: str, plan: ContainerPlan, options: StageOptions,
+            standalone: StageOptions | None, before: Any) -> StageResult:
+    from dsv4_offload.core.results import Problem, StageResult, Status
+
     with ctx.task(f"container {plan.name}") as task:
         container_up(plan, ctx.workspace, task=task)
     refused = before(ctx, plan, options) if before is not None else None

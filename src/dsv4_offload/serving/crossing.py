@@ -50,6 +50,24 @@ def private_copy(workspace: Workspace, name: str, path: Path) -> Path:
     return dest
 
 
+def forget(workspace: Workspace, *paths: str | None) -> list[str]:
+    """Remove the private copies among ``paths`` (its users are done with them: accept after
+    its run, serve when its server stops); a path elsewhere is the user's and stays."""
+    keys = (workspace.meta_dir / KEYS_DIR).resolve()
+    gone = []
+    for text in paths:
+        if text and Path(text).resolve().parent == keys:
+            Path(text).unlink(missing_ok=True)
+            gone.append(text)
+    return gone
+
+
+def copies(before: StageOptions, after: StageOptions) -> list[str]:
+    """The private copies ``cross`` made: the crossing paths it changed."""
+    was, now = before.crossing_paths(), after.crossing_paths()
+    return [now[k] for k in now if now[k] != was.get(k)]
+
+
 def cross(options: OptionsT, mounts: list[str], workspace: Workspace, where: str) -> OptionsT:
     """``options`` as the container will read them: each named file checked, a secret that is
     not visible copied (``private_copy``), any other refused with the fix."""

@@ -285,8 +285,8 @@ def fetch_commit(source: Source, *, log: Path, mirrors: dict[str, list[str]] | N
             else:
                 tried = "; ".join(outcome.attempts) or "no URL"
                 raise Dsv4Error(
-                    f"source '{source.name}': commit {commit} could not be fetched ({tried}); "
-                    f"check the network or pass --mirror {source.name}=URL", log=str(log))
+                    f"source '{source.name}': commit {commit} could not be fetched ({tried})",
+                    hint=f"check the network, or add --mirror {source.name}=URL", log=str(log))
         git_text(repo, "update-ref", PIN_REF_PREFIX + commit, commit)
     return outcome
 

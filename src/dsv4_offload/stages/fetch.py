@@ -71,8 +71,7 @@ def run(ctx: StageContext) -> StageResult:
                 row["cache"] = "failed"
                 # an InputError (the git cache, a mirror URL, a ref) is no network fault
                 row["unreachable"] = not isinstance(exc, InputError)
-                fix = exc.hint or (f"check the network, or add --mirror {source.name}=URL"
-                                   if row["unreachable"] else "")
+                fix = exc.hint or ""
                 problems.append(Problem("error", exc.message, check=source.name,
                                         fix=f"{fix}; see the log: {log}".lstrip("; ")))
                 blocked_paths.append(path)

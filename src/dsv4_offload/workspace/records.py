@@ -44,6 +44,7 @@ class RawRecord(TypedDict, total=False):
     outputs: dict[str, Any]
     result: str
     container: str
+    recipe: str
 
 
 class RawState(TypedDict, total=False):
@@ -74,6 +75,7 @@ class StageRecord(BaseModel):
     outputs: dict[str, Any] | None = None  # done: what the stage result recorded
     result: Status | None = None  # done: the result's status (ok, warn, skipped)
     container: str | None = None  # run in this container: its processes live there
+    recipe: str | None = None  # the name of the recipe it ran under (a shared workspace)
 
     @field_validator("status")
     @classmethod
