@@ -273,3 +273,52 @@ def test_status_says_whose_records_it_shows(tmp_path: Path) -> None:
     same = json.loads(cli(tmp_path, "--json", "-r", "dsv4-flash-x86-dev", "status").stdout)
     assert same["data"]["warnings"] == [] and all(r["recipe"] is None
                                                   for r in same["data"]["stages"])
+
+
+@pytest.mark.slow
+def test_readme_command_1_from_a_fresh_venv(tmp_path: Path) -> None:
+    """README command 1 as written, in a new venv (the package and its dependencies from
+    the registry, as a new user gets them), on the small-disk host fixture: doctor's table
+    first, with every failing row, then the refusal. The fast tier's seam: this file's
+    test_readme_command_1_shows_doctors_table_with_every_failing_row runs the same console
+    script from the test venv."""
+    import shutil
+    import socket
+
+    try:
+        socket.create_connection(("pypi.org", 443), timeout=5).close()
+    except OSError:
+        pytest.skip("the package registry (pypi.org) is not reachable: README command 1 "
+                    "installs from it")
+    root = Path(__file__).resolve().parents[1]
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(root), str(clone)], check=True, timeout=120)
+    if (root / ".git").exists():  # the tree under test, not its last commit
+        for rel in subprocess.run(["git", "-C", str(root), "ls-files", "-m", "-o",
+                                   "--exclude-standard"], capture_output=True, text=True,
+                                  check=True).stdout.split():
+            src = root / rel
+            if src.is_file():
+                (clone / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy2(src, clone / rel)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DSV4_", "ASCEND_", "VIRTUAL_ENV", "PYTHON"))}
+    env.update(COLUMNS="240", DSV4_HOST_ROOT=str(HOSTS / "x86-no-npu"),
+               DSV4_CACHE=str(tmp_path / "cache"))
+    # README command 1, word for word, run by a shell in the clone
+    proc = subprocess.run(
+        ["bash", "-c", "python3 -m venv .venv && .venv/bin/pip install -q . && "
+         ".venv/bin/dsv4-offload run"], cwd=clone, env=env, capture_output=True, text=True,
+        timeout=900, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 1, proc
+    out = proc.stdout
+    before = out[:out.index("┏")].splitlines()  # nothing but doctor's start before its table
+    assert before[0] == "run: pipelined, 1 to run (doctor)", out[:400]
+    assert before[1].startswith("doctor: started (pid ") and len(before) == 2, out[:400]
+    assert out[out.index("┏"):].splitlines()[1].startswith("┃check"), out[:600]
+    for row in ("│arch", "│cpu-flags", "│cores", "│memory", "│disk", "│npu-smi", "│device-nodes"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(row))
+        assert "│ fail" in line, line
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: run stopped before any work: doctor failed (see its table); fix those rows "
+        "and rerun `run`")
