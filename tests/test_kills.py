@@ -282,6 +282,80 @@ def test_verify_gguf_killed_anywhere_is_not_taken_as_done(tmp_path: Path, source
     assert {s["name"]: s["state"] for s in status}["verify-gguf"] == "done"
 
 
+# --- build: killed around its steps, and while a step's command runs ---------------------
+
+
+STEP = """\
+import os, signal, sys, time
+name = sys.argv[1]
+open(name + ".part", "w").write("half")
+if os.environ.get("KILL_BUILD_IN") == name:  # the build killed while its command runs
+    os.kill(os.getppid(), signal.SIGKILL)
+    time.sleep(60)  # a long compile: the sentinel of the killed build must stop it
+time.sleep(0.2)
+os.replace(name + ".part", name + ".out")
+print(name + " built")
+"""
+
+
+def _build_site(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A workspace whose build has two steps, each a real program that leaves its product
+    under a temporary name first; the recipe's build on the host."""
+    import yaml
+
+    from dsv4_offload.recipe.load import BUNDLED_RECIPES
+
+    ws = tmp_path / "ws"
+    tree = ws / "src" / "ktransformers"
+    tree.mkdir(parents=True)
+    (tree / "step.py").write_text(STEP)
+    doc = yaml.safe_load((BUNDLED_RECIPES / "dsv4-flash-910b.yaml").read_text())
+    doc["build"] = {"python": sys.executable, "steps": [
+        {"name": n, "workdir": "src/ktransformers", "command": ["{python}", "step.py", n],
+         "expect_markers": [f"^{n} built"], "log_sources": []} for n in ("alpha", "beta")]}
+    doc["series"] = str(BUNDLED_RECIPES.parent / "patches" / "dsv4-flash.yaml")
+    doc["runtime"]["kind"] = "host"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(doc))
+    return tree, ["-r", str(recipe), "-w", str(ws)]
+
+
+BUILD_POINTS = [("after:step.started:1:KILL", ""), ("before:step.done:1:KILL", ""),
+                ("after:step.done:2:KILL", ""), ("after:step.started:2:TERM", ""),
+                ("after:stage.started:1:KILL", ""),
+                ("after:no-such-event:1:KILL", "beta")]  # beta's command kills the build
+
+
+@pytest.mark.parametrize(("spec", "inside"), BUILD_POINTS)
+def test_build_killed_anywhere_is_not_taken_as_built(tmp_path: Path, spec: str,
+                                                     inside: str) -> None:
+    """Killed between its steps, or (``inside``) while a step's command runs: the record is
+    never `done`, status says interrupted, the command left running is stopped, and the rerun
+    builds every step whole."""
+    tree, base = _build_site(tmp_path)
+    env = {**os.environ, TAG: str(tmp_path), "KILL_BUILD_IN": inside}
+    env.pop("DSV4_WORKSPACE", None)
+    killed = subprocess.run([sys.executable, str(KILLPOINT), spec, "--", *base, "build"],
+                            env=env, capture_output=True, text=True, timeout=120,
+                            stdin=subprocess.DEVNULL)
+    assert killed.returncode in (-9, 130, 143), killed
+    # the step's command outlives the stage's process only until the sentinel stops it
+    deadline = time.monotonic() + 15
+    while ours_left(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ours_left(tmp_path) == [], "the killed build's command is left running"
+    stage = {s["name"]: s for s in
+             run_cli(*base, "--json", "status").json()["data"]["stages"]}["build"]
+    assert stage["state"] == "interrupted", stage
+    again = run_cli(*base, "build")
+    assert again.code == 0, again
+    assert sorted(p.name for p in tree.glob("*.out")) == ["alpha.out", "beta.out"]
+    assert not list(tree.glob("*.part")), "a half-made product is left beside the whole one"
+    stage = {s["name"]: s for s in
+             run_cli(*base, "--json", "status").json()["data"]["stages"]}["build"]
+    assert stage["state"] == "done", stage
+
+
 # --- serve --detach: killed around its stage record ----------------------------------------
 
 
@@ -316,6 +390,47 @@ def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agr
     assert stopped.code == 0, stopped
     after = run_cli(*base, "serve", "status", env=env)
     assert after.code == 1, after
+
+
+def test_serve_detach_killed_while_its_server_loads_leaves_nothing_that_status_hides(
+        tmp_path: Path, no_leftovers: str) -> None:
+    """The stage process killed while the server loads (its record names the server, not yet
+    ready): the supervisor takes the server down with it, and `status`, `serve status` and
+    `serve stop` all say nothing runs; the rerun starts one server."""
+    ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good",
+                                          "--start-delay", "4")
+    proc = subprocess.Popen([sys.executable, "-m", "dsv4_offload", *base, "serve", "--detach"],
+                            env={**os.environ, **env, TAG: str(tmp_path)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            stdin=subprocess.DEVNULL)
+    record = ws.root / ".dsv4" / "run" / "serve.json"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (
+            record.is_file() and json.loads(record.read_text() or "{}").get("server_pid")):
+        time.sleep(0.05)
+    loading = json.loads(record.read_text())
+    assert loading["server_pid"] and proc.poll() is None, loading  # loading, not yet ready
+    proc.kill()
+    proc.wait()
+    try:
+        deadline = time.monotonic() + 15
+        while ours_left(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert ours_left(tmp_path) == [], "the loading server outlived its stage process"
+        said = run_cli(*base, "serve", "status", env=env)
+        assert said.code == 1 and said.out.startswith("not running"), said
+        stages = {s["name"]: s for s in
+                  run_cli(*base, "--json", "status", env=env).json()["data"]["stages"]}
+        assert stages["serve"]["state"] == "interrupted", stages["serve"]
+        stop = run_cli(*base, "serve", "stop", env=env)
+        assert stop.code == 0 and "no server running" in stop.out, stop
+        again = run_cli(*base, "serve", "--detach", env=env)
+        assert again.code == 0, again
+        servers = [p for p in leftovers(no_leftovers)
+                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        assert len(servers) == 1, servers
+    finally:
+        run_cli(*base, "serve", "stop", env=env)
 
 
 # --- run: the pipelined run killed around the events it writes ---------------------------

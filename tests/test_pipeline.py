@@ -267,3 +267,23 @@ def test_status_table_shows_bracketed_field_names_verbatim(cli, ws: Path, fake_s
               env=dict(fake_stages_env, COLUMNS="200"))
     assert res.code == 0, res
     assert "recipe.sources[sglang].commit" in res.out
+
+
+def test_a_stage_running_in_the_container_is_not_judged_by_the_hosts_pids(
+        cli, ws: Path) -> None:
+    """A running record made in the container carries its name: its pid is the container's,
+    so the host says where it runs instead of calling it killed; a host record with a dead
+    pid is still interrupted."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (ws / ".dsv4").mkdir(parents=True)
+    (ws / ".dsv4" / "state.json").write_text(json.dumps({"schema": 1, "stages": {
+        "build": {"status": "running", "pid": dead.pid, "pid_start_time": 1,
+                  "started": "2026-12-07T10:00:00+00:00", "container": "dsv4_singlecard"},
+        "fetch": {"status": "running", "pid": dead.pid, "pid_start_time": 1,
+                  "started": "2026-12-07T10:00:00+00:00"}}}))
+    rows = {s["name"]: s for s in cli("-w", str(ws), "--json", "status").json()["data"]["stages"]}
+    assert rows["build"]["state"] == "running", rows["build"]
+    assert rows["build"]["reason"].startswith(
+        f"running in container dsv4_singlecard (pid {dead.pid} there; not checked from here")
+    assert rows["fetch"]["state"] == "interrupted", rows["fetch"]

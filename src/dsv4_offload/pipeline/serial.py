@@ -42,7 +42,8 @@ def run_stage(ctx: StageContext, name: str,
     # a running record replaces any earlier 'done': a killed rerun must not look finished
     ws.write_stage_record(name, StageRecord(
         status=StageState.RUNNING, pid=me.pid, pid_start_time=me.start_time, started=started,
-        log=str(sub.log_dir), recipe=ctx.recipe.name))
+        log=str(sub.log_dir), recipe=ctx.recipe.name,
+        container=childrun.container_name() or None))  # its pid is that container's
     events.emit("stage.started", stage=name, log=str(sub.log_dir),
                 options={k: v for k, v in _given(options).items()
                          if v and isinstance(v, (bool, int, float, str))})

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from dsv4_offload.core import events, procs
+from dsv4_offload.core import childrun, events, procs
 from dsv4_offload.core.registry import STAGE_NAMES, STAGES, StageSpec
 from dsv4_offload.core.states import StageState
 from dsv4_offload.pipeline.fingerprint import changed_inputs, fingerprint
@@ -56,6 +56,11 @@ def stage_status(ctx: StageContext, stage: StageSpec, state: State,
         recipe=record.recipe if record.recipe not in (None, ctx.recipe.name) else None,
     )
     if base.state == StageState.RUNNING:
+        if record.container and record.container != childrun.container_name():
+            # a pid of the container's namespace: this side's /proc cannot tell its truth
+            base.reason = (f"running in container {record.container} (pid {record.pid} "
+                           "there; not checked from here: `dsv4-offload container status`)")
+            return base
         # by pid and start time: a pid since reused by another process is not our run
         if procs.alive(record.pid, record.pid_start_time):
             base.reason = f"running (pid {record.pid})"
