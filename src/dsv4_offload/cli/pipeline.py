@@ -267,11 +267,15 @@ def doctor(
     ctx: typer.Context,
     device: int | None = typer.Option(None, "--device", metavar="N",
                                       help="NPU id to check (default: idlest)."),
+    bandwidth: bool = typer.Option(
+        False, "--bandwidth",
+        help="Measure the memory bandwidth again (sysbench under numactl, per NUMA node); "
+        "else the figure cached in the workspace."),
 ) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
     from dsv4_offload.stages.doctor import DoctorOptions
 
-    run_stage(ctx, "doctor", DoctorOptions(device=device))
+    run_stage(ctx, "doctor", DoctorOptions(device=device, bandwidth=bandwidth))
 
 
 def selftest(
