@@ -212,10 +212,8 @@ def check(found: Bandwidth | None, how: str, path: Path) -> Check:
                  f"`dsv4-offload doctor --bandwidth` measures again (cache: {path})")
 
 
-def host_rows(path: Path, facts: HostFacts, serve: Serve, again: bool = False
-              ) -> tuple[list[Check], Bandwidth | None]:
-    """doctor's row and the measurement, for the serve plan's pools on this host; a captured
-    host (DSV4_HOST_ROOT) has the row only from a cache: its memory is not this machine's."""
+def plan_readers(facts: HostFacts, serve: Serve) -> list[Reader]:
+    """The readers of the serve plan's pools and threads on this host (serving/rules)."""
     from dsv4_offload.serving.rules import cpu_plan
 
     try:
@@ -223,7 +221,14 @@ def host_rows(path: Path, facts: HostFacts, serve: Serve, again: bool = False
         pools, threads = plan.pools, plan.threads
     except Dsv4Error:  # fewer CPUs than nodes: the cores row says so; read with what there is
         pools, threads = max(1, min(facts.cores, len(facts.numa_nodes))), max(1, facts.cores)
-    readers = layout(facts.numa_cpulists, pools, threads)
+    return layout(facts.numa_cpulists, pools, threads)
+
+
+def host_rows(path: Path, facts: HostFacts, serve: Serve, again: bool = False
+              ) -> tuple[list[Check], Bandwidth | None]:
+    """doctor's row and the measurement, for the serve plan's pools on this host; a captured
+    host (DSV4_HOST_ROOT) has the row only from a cache: its memory is not this machine's."""
+    readers = plan_readers(facts, serve)
     if os.environ.get(HOST_ROOT_ENV):
         found = cached(path, readers)
         return ([check(found, f"cached {found.when}", path)] if found else []), found
