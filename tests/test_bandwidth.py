@@ -135,3 +135,27 @@ def test_without_sysbench_the_row_names_the_packages_and_fails_nothing(tmp_path:
     assert row["observed"] == "not measured: sysbench is not installed"
     assert "apt-get install sysbench numactl" in row["fix"] and "yum install" in row["fix"]
     assert row["guards"] == []  # no stage waits on it
+
+
+@needs_sysbench
+def test_two_nodes_are_read_alone_then_together_and_summed(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    # this VM has one NUMA node: a numactl that records its binding and runs the real
+    # sysbench unbound stands in for the second node; the readers' orchestration is real
+    calls = tmp_path / "calls"
+    shim = tmp_path / "bin" / "numactl"
+    shim.parent.mkdir()
+    shim.write_text("#!/bin/sh\n"
+                    f"echo \"$1 $2 $(date +%s.%N)\" >> {calls}\n"
+                    "shift 2\nexec \"$@\"\n")
+    shim.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{shim.parent}{os.pathsep}{os.environ['PATH']}")
+    readers = bw.layout({0: "0", 1: "1"}, 2, 2)
+    found = bw.measure(readers)
+    bound = [line.split()[:2] for line in calls.read_text().splitlines()]
+    # each node alone, then both at once
+    assert bound == [["--cpunodebind=0", "--membind=0"], ["--cpunodebind=1", "--membind=1"],
+                     ["--cpunodebind=0", "--membind=0"], ["--cpunodebind=1", "--membind=1"]]
+    assert set(found.nodes) == {0, 1} and found.pinned
+    assert found.total_gb_s is not None and found.total_gb_s > 0
+    assert "node 0 " in found.shown() and "node 1 " in found.shown()

@@ -132,15 +132,19 @@ def missing_tools() -> list[str]:
 
 def _run_together(argvs: Sequence[list[str]]) -> list[str]:
     """Start every reader at once (the pools run together) and return their outputs."""
-    from dsv4_offload.core.runner import start, stop_children
+    from dsv4_offload.core.runner import Child, start, stop_children
 
-    children = [start(argv) for argv in argvs]
+    children: list[Child] = []
     outputs = []
     try:
+        children += [start(argv) for argv in argvs]
         for child in children:
             out, _ = child.proc.communicate(timeout=RUN_TIMEOUT_S)
             outputs.append((out or b"").decode("utf-8", errors="replace"))
-    except BaseException:
+    except subprocess.TimeoutExpired:
+        stop_children(children)
+        raise RuntimeError(f"sysbench did not finish in {RUN_TIMEOUT_S}s") from None
+    except BaseException:  # Ctrl-C, a reader that could not start: none is left running
         stop_children(children)
         raise
     return outputs
