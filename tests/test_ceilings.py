@@ -4,6 +4,7 @@ share the server prints, and accept placing a stand-in server's decode between t
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,17 @@ def test_accept_prints_the_three_figures_and_their_ratios(tmp_path: Path,
     assert doc["lines"][0] == f"measured decode: {measured:.1f} tok/s"
     assert doc["lines"][1].startswith("CPU kernel's projection at resident share 0.612: ")
     assert doc["lines"][-1] == ceilings["where"]
+
+
+def test_a_rehearsals_bench_is_no_ceiling_of_the_server(tmp_path: Path) -> None:
+    recipe, _ = load_recipe_and_series("dsv4-flash-910b", [])
+    ws = Workspace(tmp_path / "ws")
+    log = tmp_path / "server.log"
+    log.write_text("[KT_STREAM] inline resident: top-32 x 43 layers folded into prefill, "
+                   "share=0.500\n")
+    replace(_bench(5.0), rehearsal="dsv4-flash-x86-dev").write(ws.bench_file)
+    c = cl.for_accept(ws, recipe, 14.0, log)
+    assert c.share == 0.5 and c.kernel_tok_s is None
+    assert any("selftest --bench" in m for m in c.missing)
+    _bench(5.0).write(ws.bench_file)  # measured on the serving host itself
+    assert cl.for_accept(ws, recipe, 14.0, log).kernel_tok_s is not None

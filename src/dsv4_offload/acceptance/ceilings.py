@@ -225,6 +225,9 @@ def for_accept(workspace: Workspace, recipe: Recipe, measured: float | None,
     share, _ = server_share(text)
     total, _ = gguf_set_bytes(workspace.gguf_dir(recipe), conv)
     found = cached(workspace.bandwidth_file)
+    kernel = KernelBench.read(workspace.bench_file)
+    if kernel is not None and kernel.rehearsal and kernel.rehearsal != recipe.name:
+        kernel = None  # a rehearsal's machine is not this server's host
     return place(measured, share, expert_bytes(total, conv.layers, conv.experts),
                  conv.experts_per_token, conv.layers, found.total_gb_s if found else None,
-                 KernelBench.read(workspace.bench_file))
+                 kernel)
