@@ -231,8 +231,9 @@ def synthetic_dims(ctx: StageContext) -> MoeDims:
     return MoeDims(1, test.experts, test.top_k, test.hidden, test.intermediate)
 
 
-def synthetic_layer(ctx: StageContext) -> tuple[Path, Path, int]:
-    """(checkpoint, GGUF file, layer) of a synthetic layer in the real layout, converted.
+def synthetic_layer(ctx: StageContext, dims: MoeDims | None = None) -> tuple[Path, Path, int]:
+    """(checkpoint, GGUF file, layer) of a synthetic layer in the real layout, converted
+    (``dims``: these instead of ``selftest.real_layer.synthetic_dims``'s).
 
     Written once per (dims, seed, layer) under ``real-layer/synthetic`` (a real
     layer is ~3.2 GB of source and as much of GGUF, ~20 s): a tmp directory renamed into
@@ -243,7 +244,7 @@ def synthetic_layer(ctx: StageContext) -> tuple[Path, Path, int]:
     from dsv4_offload.weights.gguf_io import LayerLayout
 
     cfg, conv = ctx.recipe.selftest.real_layer, ctx.recipe.conversion
-    dims = synthetic_dims(ctx)
+    dims = dims or synthetic_dims(ctx)
     layer = cfg.layer if cfg.layer < dims.layers else dims.layers // 2
     root = work_dir(ctx) / "synthetic"
     made = {"dims": dims.as_dict(), "seed": cfg.seed, "layer": layer,

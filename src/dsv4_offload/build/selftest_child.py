@@ -98,6 +98,55 @@ def forward_low_level(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
     """WorkerPoolConfig, CPUInfer, moe.MOEConfig/MOE with numpy buffers (no torch)."""
     import numpy as np
 
+    cpu_infer, moe, _keep = load_low_level(spec, [spec["threads"]])
+    hidden, top_k = spec["hidden"], spec["top_k"]
+    tokens = spec["tokens"]
+    x = np.ascontiguousarray(arrays["x"])  # uint16 bf16 bits [T, H]
+    ids = np.ascontiguousarray(arrays["ids"].astype(np.int64))
+    w = np.ascontiguousarray(arrays["weights"].astype(np.float32))
+    out = np.zeros((tokens, hidden), dtype=np.uint16)
+    bsz = np.array([tokens], dtype=np.int32)
+    t0 = time.monotonic()
+    cpu_infer.submit(moe.forward_task(bsz.ctypes.data, top_k, ids.ctypes.data, w.ctypes.data,
+                                      x.ctypes.data, out.ctypes.data, False))
+    cpu_infer.sync()
+    emit("forward", seconds=round(time.monotonic() - t0, 4), api="low-level")
+    return out
+
+
+def bench_low_level(spec: dict[str, Any]) -> dict[str, Any]:
+    """Decode forwards (one token, top_k distinct random experts each, fresh every time) with
+    the serve plan's pools, timed one by one: what `selftest --bench` reports."""
+    import numpy as np
+
+    bench = spec["bench"]
+    cpu_infer, moe, _keep = load_low_level(spec, [bench["threads_per_pool"]] * bench["pools"])
+    experts, top_k, hidden = spec["experts"], spec["top_k"], spec["hidden"]
+    rng = np.random.default_rng(bench["seed"])
+    bits = rng.standard_normal(hidden).astype(np.float32).view(np.uint32) >> 16
+    x = np.ascontiguousarray(bits.astype(np.uint16).reshape(1, hidden))
+    w = np.full((1, top_k), 1.0 / top_k, dtype=np.float32)
+    out = np.zeros((1, hidden), dtype=np.uint16)
+    bsz = np.array([1], dtype=np.int32)
+    seconds = []
+    for i in range(bench["warmup"] + bench["repeats"]):
+        ids = np.ascontiguousarray(rng.permutation(experts)[:top_k].astype(np.int64)[None, :])
+        t0 = time.perf_counter()
+        cpu_infer.submit(moe.forward_task(bsz.ctypes.data, top_k, ids.ctypes.data,
+                                          w.ctypes.data, x.ctypes.data, out.ctypes.data, False))
+        cpu_infer.sync()
+        if i >= bench["warmup"]:
+            seconds.append(time.perf_counter() - t0)
+    emit("bench", seconds=[round(t, 6) for t in seconds])
+    return {"seconds": seconds, "output_nonzero": bool(out.any())}
+
+
+def load_low_level(spec: dict[str, Any], threads: list[int]) -> tuple[Any, Any, Any]:
+    """(cpu_infer, moe, what must outlive them) of the layer, one subpool per entry of
+    ``threads`` (subpool i on NUMA node i, as kt-kernel's wrapper lays them out): kt-kernel
+    keeps pointers into the mapped file and the mask, so the caller holds them."""
+    import numpy as np
+
     t0 = time.monotonic()
     import kt_kernel_ext as kt
 
@@ -121,9 +170,9 @@ def forward_low_level(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
         types[role] = kind
     emit("gguf", types=types)
     pool = kt.WorkerPoolConfig()
-    pool.subpool_count = 1
-    pool.subpool_numa_map = [0]
-    pool.subpool_thread_count = [spec["threads"]]
+    pool.subpool_count = len(threads)
+    pool.subpool_numa_map = list(range(len(threads)))
+    pool.subpool_thread_count = list(threads)
     cpu_infer = kt.CPUInfer(pool)
     gpu_mask = np.zeros(experts, dtype=np.uint8)  # every expert on the CPU
     cfg = kt.moe.MOEConfig(experts, top_k, hidden, inter, gpu_mask.ctypes.data)
@@ -143,18 +192,7 @@ def forward_low_level(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
     cpu_infer.submit(moe.load_weights_task(p2l.ctypes.data))
     cpu_infer.sync()
     emit("loaded", seconds=round(time.monotonic() - t0, 3))
-    tokens = spec["tokens"]
-    x = np.ascontiguousarray(arrays["x"])  # uint16 bf16 bits [T, H]
-    ids = np.ascontiguousarray(arrays["ids"].astype(np.int64))
-    w = np.ascontiguousarray(arrays["weights"].astype(np.float32))
-    out = np.zeros((tokens, hidden), dtype=np.uint16)
-    bsz = np.array([tokens], dtype=np.int32)
-    t0 = time.monotonic()
-    cpu_infer.submit(moe.forward_task(bsz.ctypes.data, top_k, ids.ctypes.data, w.ctypes.data,
-                                      x.ctypes.data, out.ctypes.data, False))
-    cpu_infer.sync()
-    emit("forward", seconds=round(time.monotonic() - t0, 4), api="low-level")
-    return out
+    return cpu_infer, moe, (mapped, weights, gpu_mask, cfg, pool)
 
 
 def forward_wrapper(spec: dict[str, Any], arrays: dict[str, Any]) -> Any:
@@ -192,6 +230,13 @@ def main(argv: list[str]) -> int:
     hwcaps = auxv_hwcaps()
     # before the extension loads: if it dies of SIGILL, the parent still knows this CPU
     emit("cpu", machine=machine, hwcap=hwcaps.get(AT_HWCAP), hwcap2=hwcaps.get(AT_HWCAP2))
+    if spec.get("bench"):
+        result = bench_low_level(spec)
+        with open(spec["out"] + ".tmp", "w", encoding="utf-8") as fh:
+            json.dump(result, fh)
+        os.replace(spec["out"] + ".tmp", spec["out"])
+        emit("done", out=spec["out"])
+        return 0
     import numpy as np
 
     arrays = {k: np.load(spec["arrays"][k]) for k in ("x", "ids", "weights")}

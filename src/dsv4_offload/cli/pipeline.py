@@ -285,11 +285,15 @@ def doctor(
     ctx: typer.Context,
     device: int | None = typer.Option(None, "--device", metavar="N",
                                       help="NPU id to check (default: idlest)."),
+    bandwidth: bool = typer.Option(
+        False, "--bandwidth",
+        help="Measure the memory bandwidth again (sysbench under numactl, per NUMA node); "
+        "else the figure cached in the workspace."),
 ) -> None:
     """Host preflight: CPU, NUMA, memory, disk, NPU, CANN, toolchain; exit 1 on a failure."""
     from dsv4_offload.stages.doctor import DoctorOptions
 
-    run_stage(ctx, "doctor", DoctorOptions(device=device))
+    run_stage(ctx, "doctor", DoctorOptions(device=device, bandwidth=bandwidth))
 
 
 def selftest(
@@ -298,6 +302,15 @@ def selftest(
         False, "--real-layer",
         help="Then a synthetic layer of the real layout and dims through kt-kernel, as "
         "verify-gguf's level 4 (on by default in the rehearsal recipes)."),
+    bench: bool = typer.Option(
+        False, "--bench",
+        help="Then time kt-kernel's MoE on a full-size synthetic layer with the serve plan's "
+        "pools: GB/s read beside this host's bandwidth, and the decode it projects."),
+    share: float = typer.Option(
+        0.5, "--share", metavar="S", min=0.0, max=0.99,
+        help="The resident share (0..1) the bench's projection is stated at."),
+    repeats: int = typer.Option(16, "--repeats", metavar="N", min=1,
+                                help="Timed decode forwards of the bench."),
 ) -> None:
     """kt-kernel's MXFP4 MoE on a tiny synthetic layer, checked against numpy.
 
@@ -308,10 +321,14 @@ def selftest(
        all zeros fails with the reason and the fix.
     4. With --real-layer (or selftest.real_layer.rehearse): the same on a converted
        synthetic layer of the real layout, cosine >= 0.9999 (guide appendix D).
+    5. With --bench: decode forwards of a full-size synthetic layer timed, with the serve
+       plan's pools; bytes read per second beside this host's bandwidth (doctor's), cached
+       for accept's ceilings.
     """
     from dsv4_offload.stages.selftest import SelftestOptions
 
-    run_stage(ctx, "selftest", SelftestOptions(real_layer=real_layer))
+    run_stage(ctx, "selftest", SelftestOptions(real_layer=real_layer, bench=bench, share=share,
+                                               repeats=repeats))
 
 
 def _quiet_plan(items: Any) -> str:

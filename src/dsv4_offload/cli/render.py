@@ -95,6 +95,10 @@ def render_result(command: str, result: StageResult, verbose: bool = False,
         print_fixes(checks)
     elif result.problems and not quiet:
         out.print(problems_table(result))
+    lines = result.data.get("lines") if isinstance(result.data, dict) else None
+    if isinstance(lines, list) and not quiet:  # figures a stage reports beside its rows
+        for line in lines:
+            out.print(escape(str(line)), soft_wrap=True)
     out.print(f"{command}: {styled(result.status.value)} — {escape(result.summary)}",
               soft_wrap=True)
     if result.log and (result.status == Status.FAILED or verbose):

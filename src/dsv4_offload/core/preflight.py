@@ -67,6 +67,8 @@ DECLARED: tuple[PreCheck, ...] = (
     PreCheck("page-cache", "/proc/meminfo against the GGUF set", ("serve",)),
     PreCheck("memory-plan", "/proc/meminfo against the serve plan", ("serve",)),
     PreCheck("shm", "/dev/shm, /proc/*/fd and /proc/*/maps, the serve record", ("serve",)),
+    # a figure for accept's ceilings: a host without sysbench still serves
+    PreCheck("bandwidth", "sysbench memory read under numactl, per NUMA node (cached)", ()),
     PreCheck("serve-bind", "serve.host, serve.api_key_file", (), Where.RECIPE),
     PreCheck("extra-args", "serve.extra_args against sglang's flags", ("serve",),
              Where.RECIPE),

@@ -118,9 +118,13 @@ STAGES: tuple[StageSpec, ...] = (
               summary="kt-kernel, gguf-py, sglang", cpu=Cpu.COMPILE, steps="build.steps",
               branch="build", reads=("host.python",)),
     # before the downloads: a bad build stops `run` before hours of transfers
+    # `selftest --bench` (an option, never part of the record's inputs) reads the real dims
+    # and the serve plan's pools
     StageSpec("selftest", ("build",), ("selftest",),
               exclude=("selftest.real_layer.enabled", "selftest.real_layer.layer"),
-              summary="kt-kernel MXFP4 MoE vs a numpy reference", branch="build"),
+              summary="kt-kernel MXFP4 MoE vs a numpy reference", branch="build",
+              reads=("conversion", "serve.cpuinfer_default", "serve.reserved_cores",
+                     "serve.threads_per_numa")),
     # how many files travel at once changes no byte of the result
     StageSpec("download", (), ("weights",), exclude=("weights.streams",),
               summary="W8A8 and MXFP4 weights", after=("doctor",), disk_sets=(W8A8, MXFP4),

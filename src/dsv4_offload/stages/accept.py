@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from dsv4_offload.acceptance import ceilings as cl
 from dsv4_offload.acceptance import gpqa
 from dsv4_offload.acceptance import probes as pr
 from dsv4_offload.acceptance import residency as rs
@@ -509,21 +510,27 @@ def _result(ctx: StageContext, url: str, api: str, checks: list[Check],
                # figures depend on these: the delivery's and ktransformers' were taken with
                # other switches than each other
                + f"; residency switches: {switches.shown()}")
+    # the measured decode between the CPU kernel's and the memory's ceilings (issue 32)
+    ceilings = cl.for_accept(ctx.workspace, ctx.recipe, tok_s, log_path)
+    summary += f"; {ceilings.short()}" if tok_s else ""
     doc = {"schema": 1, "recipe": ctx.recipe.name, "url": url, "api": api, "when": now_iso(),
            "seconds": round(seconds, 1), "status": status.value, "summary": summary,
            "checks": [c.as_dict() for c in checks],
            "throughput": [b.as_dict() for b in buckets], "notes": notes,
            "reference_tok_s": acc.throughput.reference_tok_s,
            "switches": {"values": switches.values, "source": switches.source},
-           "log": str(log_path) if log_path else None, "chart": str(chart) if chart else None}
+           "log": str(log_path) if log_path else None, "chart": str(chart) if chart else None,
+           "ceilings": ceilings.as_dict()}
     atomic_write_json(report, doc)
     # provenance keeps the last verdict, passed or not: it is what a bug report needs
     ctx.workspace.update_provenance("acceptance", {
         "status": status.value, "summary": summary, "report": str(report), "when": doc["when"]})
     outputs = {"status": status.value, "url": url, "api": api, "report": str(report),
                "chart": str(chart) if chart else None, "decode_tok_s": tok_s,
-               "checks_passed": passed, "checks": len(checks), "when": doc["when"]}
-    return StageResult(status, summary, data={**doc, "report": str(report)}, problems=problems,
+               "checks_passed": passed, "checks": len(checks), "when": doc["when"],
+               "ceilings": doc["ceilings"]}
+    return StageResult(status, summary, problems=problems,
+                       data={**doc, "report": str(report), "lines": ceilings.lines()},
                        outputs=outputs if status is not Status.FAILED else {},
                        log=str(log_path) if log_path else None)
 

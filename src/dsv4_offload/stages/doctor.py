@@ -32,7 +32,7 @@ from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.preflight import annotate, recipe_only
 from dsv4_offload.core.results import FAIL, OK, SKIP, WARN, Check, Problem, StageResult, Status
 from dsv4_offload.recipe import Recipe
-from dsv4_offload.serving import extra_args, shm
+from dsv4_offload.serving import bandwidth, extra_args, shm
 from dsv4_offload.serving import supervisor as sv
 from dsv4_offload.serving.image_rows import image_side, in_image, judged_in_the_image
 from dsv4_offload.weights import diskplan
@@ -87,6 +87,7 @@ DRIVER_FIX = (
 class DoctorOptions(StageOptions):
     device: int | None = None  # the NPU to check (default: the idlest)
     python: PathText | None = None  # the interpreter build, selftest and serve are to use
+    bandwidth: bool = False  # measure the memory bandwidth again (else the cached figure)
 
 
 Options = DoctorOptions
@@ -734,6 +735,9 @@ def run(ctx: StageContext) -> StageResult:
     if "serve" not in ctx.recipe.not_applicable:  # what killed servers left in /dev/shm
         checks.append(shm.check(shm.last_start(sv.read_record(ctx.workspace.serve_record)),
                                 shm.shm_dir(Path(facts.root))))
+    rows, measured = bandwidth.host_rows(ctx.workspace.bandwidth_file, facts, ctx.recipe.serve,
+                                         ctx.options_as(DoctorOptions).bandwidth)
+    checks += rows
     failed = [c for c in checks if c.status == FAIL]
     warned = [c for c in checks if c.status == WARN]
     if failed:
@@ -745,21 +749,18 @@ def run(ctx: StageContext) -> StageResult:
     else:
         status = Status.OK
         summary = f"host ready: {len(checks)} checks passed"
-    problems = [
-        Problem("error" if c.status == FAIL else "warning",
-                f"{c.name}: {c.observed} (required: {c.required})", c.fix, c.name)
-        for c in failed + warned
-    ]
+    problems = [Problem("error" if c.status == FAIL else "warning",
+                        f"{c.name}: {c.observed} (required: {c.required})", c.fix, c.name)
+                for c in failed + warned]
     report_path = ctx.workspace.report_file("doctor")
-    host = facts.as_dict()
+    # provenance keeps the measured bandwidth with the host facts it was measured on
+    host = {**facts.as_dict(), "memory_bandwidth": measured.as_dict() if measured else None}
     device = chosen.device_id if chosen is not None else None
+    table = [annotate(c.as_dict()) for c in checks]
     atomic_write_json(report_path, {
         "schema": 1, "written": now_iso(), "recipe": ctx.recipe.name, "status": status.value,
-        "summary": summary, "device": device, "checks": [annotate(c.as_dict()) for c in checks],
-        "host": host,
-    })
-    data = {"checks": [annotate(c.as_dict()) for c in checks], "host": host, "device": device,
-            "report": str(report_path)}
+        "summary": summary, "device": device, "checks": table, "host": host})
+    data = {"checks": table, "host": host, "device": device, "report": str(report_path)}
     return StageResult(status, summary, data=data, problems=problems, log=str(report_path),
                        outputs={"host": host, "device": device, "report": str(report_path)})
 

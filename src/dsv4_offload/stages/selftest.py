@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import shutil
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,7 @@ from dsv4_offload.build.moerun import (
 )
 from dsv4_offload.build.moerun import child_argv as child_argv
 from dsv4_offload.build.moerun import module_dir as module_dir
+from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.options import PathText, StageOptions
 from dsv4_offload.core.results import Problem, StageResult, Status
 from dsv4_offload.workspace.context import StageContext
@@ -43,6 +45,9 @@ if TYPE_CHECKING:
 class SelftestOptions(StageOptions):
     real_layer: bool = False  # then a synthetic layer of the real layout, as level 4
     python: PathText | None = None  # the build python that runs kt-kernel
+    bench: bool = False  # then time kt-kernel's MoE on a full-size layer (build/moebench)
+    share: float = 0.5  # the resident share the bench's projection is stated at
+    repeats: int = 16  # timed decode forwards of the bench
 
 
 Options = SelftestOptions
@@ -190,10 +195,15 @@ def run(ctx: StageContext) -> StageResult:
     figures = "; ".join(v.reason for v in verdicts)
     outputs: dict[str, Any] = {"runs": [
         {k: v.as_dict()[k] for k in ("tokens", "regime", "cosine", "rel_l2")} for v in verdicts]}
-    if test.real_layer.rehearse or ctx.options_as(SelftestOptions).real_layer:
-        return _real_layer(ctx, data, outputs, f"selftest passed in {seconds:.1f}s: {figures}")
-    return StageResult(Status.OK, f"selftest passed in {seconds:.1f}s: {figures}", data=data,
-                       outputs=outputs, log=log)
+    options = ctx.options_as(SelftestOptions)
+    if test.real_layer.rehearse or options.real_layer:
+        result = _real_layer(ctx, data, outputs, f"selftest passed in {seconds:.1f}s: {figures}")
+    else:
+        result = StageResult(Status.OK, f"selftest passed in {seconds:.1f}s: {figures}",
+                             data=data, outputs=outputs, log=log)
+    if options.bench and result.status is Status.OK:  # a wrong kernel's speed means nothing
+        return _bench(ctx, result, options)
+    return result
 
 
 def _real_layer(ctx: StageContext, data: dict[str, Any], outputs: dict[str, Any],
@@ -217,3 +227,69 @@ def _real_layer(ctx: StageContext, data: dict[str, Any], outputs: dict[str, Any]
                              for v in check.verdicts]
     return StageResult(Status.OK, f"{passed}; {what} in {check.seconds:.1f}s: "
                        f"{check.figures()}", data=data, outputs=outputs, log=log)
+
+
+def _bench(ctx: StageContext, passed: StageResult, options: SelftestOptions) -> StageResult:
+    """kt-kernel's MoE timed on a full-size synthetic layer with the serve plan's pools, beside
+    this host's bandwidth; the figure is cached for accept's ceilings (acceptance/ceilings)."""
+    from dsv4_offload.acceptance import ceilings as cl
+    from dsv4_offload.build.layerforward import synthetic_layer
+    from dsv4_offload.build.moebench import run_bench
+    from dsv4_offload.core.clock import now_iso
+    from dsv4_offload.core.host import probe_host
+    from dsv4_offload.serving import bandwidth
+    from dsv4_offload.weights.gguf_io import recipe_dims
+
+    if not 0.0 <= options.share < 1.0:
+        raise InputError(f"--share {options.share}: the resident share is a fraction in [0, 1)")
+    conv = ctx.recipe.conversion
+    dims = replace(recipe_dims(conv), layers=1)  # the real dims: 256 experts, 4096 x 2048
+    with ctx.task("bench: the full-size synthetic layer"):
+        _, gguf, layer = synthetic_layer(ctx, dims)
+    facts = ctx.host_facts or probe_host(ctx.workspace.root)
+    readers = bandwidth.plan_readers(facts, ctx.recipe.serve)
+    pools, threads = len(readers), sum(r.threads for r in readers)
+    with ctx.task(f"bench: {options.repeats} decode forwards, {pools} pool(s) x "
+                  f"{threads // pools} thread(s)"):
+        run = run_bench(ctx, gguf, layer, dims.as_dict(), pools, threads,
+                        repeats=options.repeats, timeout_s=ctx.recipe.selftest.real_layer.timeout_s,
+                        python=options.python)
+    passed.data["bench"] = run.as_dict()
+    if not run.ok or run.gb_s is None or run.forward_s is None:
+        return StageResult(Status.FAILED, f"{passed.summary}; but the bench failed: {run.reason}",
+                           data=passed.data, log=run.log, problems=[Problem(
+                               "error", f"bench: {run.reason}", f"see the log: {run.log}",
+                               "bench")])
+    with ctx.task("bench: this host's memory bandwidth (sysbench, cached)"):
+        found, how = bandwidth.measured(ctx.workspace.bandwidth_file, readers)
+    rehearsal = ctx.recipe.name if "serve" in ctx.recipe.not_applicable else None
+    emulated = ctx.recipe.selftest.emulator is not None
+    cl.KernelBench(round(run.gb_s, 3), round(run.forward_s, 6), run.expert_bytes, run.top_k,
+                   run.experts, pools, threads, rehearsal, ctx.recipe.name, now_iso()
+                   ).write(ctx.workspace.bench_file)
+    per_token = [cl.bytes_per_token(run.expert_bytes, run.top_k, conv.layers, s)
+                 for s in (0.0, options.share)]
+    projected = [cl.tok_s(run.gb_s, b) for b in per_token]
+    memory = found.total_gb_s if found else None
+    lines = [f"kt-kernel MoE, full-size synthetic layer ({run.experts} experts, {dims.hidden}x"
+             f"{dims.intermediate}, top-{run.top_k}), {pools} pool(s) x {threads // pools} "
+             f"thread(s): median forward {run.forward_s * 1e3:.2f} ms, {run.gb_s:.2f} GB/s read",
+             "this host's memory bandwidth: " + (f"{found.shown()}, {how}" if found else
+                                                  f"not measured ({how})"),
+             (f"kernel / memory: {run.gb_s / memory:.0%}" if memory else
+              "kernel / memory: unknown (no bandwidth figure)"),
+             f"projected decode, CPU MoE alone, {conv.layers} layers: {projected[0] or 0:.1f} "
+             f"tok/s with nothing resident, {projected[1] or 0:.1f} tok/s at resident share "
+             f"{options.share:.2f} (`--share`)"]
+    if rehearsal:
+        lines.append(f"a rehearsal's figure ({rehearsal}"
+                     + (", under qemu emulation" if emulated else "")
+                     + "): this machine's, not the serving host's")
+    passed.data["lines"] = lines
+    passed.data["bench"].update(bandwidth_gb_s=memory, projected_tok_s=projected,
+                                share=options.share, rehearsal=rehearsal)
+    summary = (f"{passed.summary}; bench: {run.gb_s:.2f} GB/s read by kt-kernel"
+               + (f" ({run.gb_s / memory:.0%} of this host's {memory:.1f} GB/s)" if memory
+                  else " (this host's bandwidth not measured)"))
+    return StageResult(Status.OK, summary, data=passed.data, outputs=passed.outputs,
+                       log=passed.log)

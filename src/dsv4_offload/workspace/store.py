@@ -233,6 +233,16 @@ class Workspace:
         return self.reports_dir / f"{stage}.json"
 
     @property
+    def bandwidth_file(self) -> Path:
+        """This host's measured memory bandwidth (serving/bandwidth), measured once."""
+        return self.meta_dir / "bandwidth.json"
+
+    @property
+    def bench_file(self) -> Path:
+        """The last `selftest --bench`: what kt-kernel's MoE read per second here."""
+        return self.meta_dir / "bench.json"
+
+    @property
     def run_dir(self) -> Path:
         """Pid files and sockets of the supervised server."""
         return self.meta_dir / "run"
