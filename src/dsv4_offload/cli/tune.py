@@ -55,6 +55,7 @@ def tune(
 
     g = kit.options_of(ctx)
     base = kit.load_context(ctx, "tune")
+    _tune_inside(ctx, base, budget, knob, device, seed)
     request = tn.TuneRequest(tn.parse_budget(budget or base.recipe.tune.budget),
                              tuple(knob), device, seed)
     from dsv4_offload.core.host import probe_host
@@ -80,6 +81,41 @@ def tune(
     kit.emit(ctx, command="tune", status="ok" if best else "failed",
              data={"study": outcome.study, "best": best}, lines=[line])
     kit.exit_with(ExitCode.OK if best else ExitCode.FAILED)
+
+
+def _tune_inside(ctx: typer.Context, base: Any, budget: str | None, knob: list[str],
+                 device: int | None, seed: int | None) -> None:
+    """With serve in the recipe's container, the whole search runs there: each trial's
+    server, its accept and its stop are the container's processes (its pids are not the
+    host's to signal). Returns when serve runs on this host."""
+    from dsv4_offload.workspace.placement import runs_in_container
+
+    if not runs_in_container(base.recipe, "serve"):
+        return
+    from dsv4_offload.serving.container import (
+        crossing_names,
+        exec_argv,
+        exec_attached,
+        find_container,
+        plan_container,
+    )
+
+    plan = plan_container(base.recipe, base.workspace)
+    found = find_container(plan.name)
+    if found is None or found.state != "running":
+        kit.emit(ctx, command="tune", status="failed", data={"container": plan.name},
+                 lines=[f"error: serve runs in container {plan.name}, which is not running; "
+                        "`dsv4-offload container up`, then tune again"])
+        kit.exit_with(ExitCode.FAILED)
+    g = kit.options_of(ctx)
+    inner = [*(["--json"] if g.json else []), "tune"]
+    for flag, value in (("--budget", budget), ("--device", device), ("--seed", seed)):
+        if value is not None:
+            inner += [flag, str(value)]
+    inner += [w for k in knob for w in ("--knob", k)]
+    path = base.recipe.file
+    kit.exit_with(exec_attached(exec_argv(plan, base.workspace, str(path) if path else None,
+                                          g.overrides, inner, crossing_names(base.recipe))))
 
 
 def _view(g: Any) -> Any:
