@@ -172,3 +172,21 @@ def test_tune_refuses_an_unknown_knob_a_bad_budget_and_a_bad_overlay(tmp_path, n
     assert cleared.code == 0 and not overlay.exists()
     printed = run_cli(*words, "serve", "--print", env=env)
     assert "--kt-cpuinfer 128  [host (8 pool(s), 192 cores)]" in printed.out
+
+
+def test_tune_discards_a_setting_whose_swa_pool_cannot_take_the_longest_bucket(
+        tmp_path, no_leftovers):
+    # 40 resident experts leave the SWA pool 4096 - 8 x 510 = 16 tokens: the 64-token bucket
+    # would never be admitted
+    _root, words, env = _tune_words(
+        tmp_path, no_leftovers, "--swa-size", "4096", "--swa-per-expert", "510",
+        sets=("tune.experts=[32, 40]", "tune.hot_tail_tokens=[0]"))
+    res = run_cli(*words, "--json", "tune", "--budget", "5m", "--knob", "experts", env=env,
+                  timeout=600)
+    assert res.code == 0, res
+    events = _events(res.out)
+    failed = [e for e in events if e["event"] == "trial.failed"]
+    assert [e["setting"]["experts"] for e in failed] == [40]
+    assert "exceeds the SWA KV pool (16 tokens" in failed[0]["reason"]
+    assert events[-1]["best"]["setting"]["experts"] == 32
+    assert events[-1]["stopped_by"] == "every allowed setting measured"

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core import events
-from dsv4_offload.core.errors import InputError
+from dsv4_offload.core.errors import Dsv4Error, InputError
 from dsv4_offload.core.results import Severity
 from dsv4_offload.pipeline.serial import dispatch_stage
 from dsv4_offload.pipeline.tunespace import (
@@ -261,10 +261,6 @@ def _measure(base: StageContext, context_for: Callable[[list[str]], StageContext
              request: TuneRequest, emit: Callable[..., None]) -> None:
     """One trial: the server with ``setting``, accept against it, the result recorded."""
     optuna = _optuna()
-    from dsv4_offload.stages.accept import AcceptOptions
-    from dsv4_offload.stages.serve import ServeOptions
-
-    tune = base.recipe.tune
     items = [*set_items(setting, space), *probe_items(base.recipe)]
     trial.set_user_attr("ran", True)
     trial.set_user_attr("set", set_items(setting, space))
@@ -272,22 +268,12 @@ def _measure(base: StageContext, context_for: Callable[[list[str]], StageContext
     t0 = time.monotonic()
     ctx = context_for(items)
     ctx.host_facts = base.host_facts
-    serve = dispatch_stage(ctx, "serve", ServeOptions(
-        detach=True, device=request.device, longest_prompt=max(tune.buckets), warm=False))
-    trial.set_user_attr("serve_log", serve.log or "")
-    reason = _failure(serve, "serve")
-    swa = next((p for p in serve.problems if p.check == "serve.swa-pool"), None)
-    if reason is None and swa is not None:
-        reason = f"serve: {swa.message}"  # its longest bucket would never be admitted
-    figures: dict[int, float] = {}
-    if reason is None:
-        accept = dispatch_stage(ctx, "accept", AcceptOptions(no_throughput_gate=True))
-        trial.set_user_attr("report", str(accept.data.get("report", "")))
-        reason = _failure(accept, "accept")
-        figures = _bucket_medians(accept.data.get("throughput") or [])
-        if reason is None and not figures:
-            reason = "accept: no bucket measured a decode rate"
-    _stop_server(base)
+    try:
+        reason, figures = _serve_and_accept(ctx, trial, request)
+    except Dsv4Error as exc:  # the plan or a stage refused this setting: this trial's failure
+        reason, figures = exc.one_line(), {}
+    finally:  # Ctrl-C included: the trial stays RUNNING in the study, resumed as interrupted
+        _stop_server(base)
     seconds = round(time.monotonic() - t0, 1)
     trial.set_user_attr("seconds", seconds)
     if reason is not None:
@@ -301,6 +287,30 @@ def _measure(base: StageContext, context_for: Callable[[list[str]], StageContext
     study.tell(trial, value)
     emit("trial.done", trial=trial.number, setting=dict(setting), tok_s=value,
          buckets={str(k): v for k, v in figures.items()}, seconds=seconds)
+
+
+def _serve_and_accept(ctx: StageContext, trial: Any, request: TuneRequest
+                      ) -> tuple[str | None, dict[int, float]]:
+    """(why the trial is discarded or None, each bucket's median tok/s)."""
+    from dsv4_offload.stages.accept import AcceptOptions
+    from dsv4_offload.stages.serve import ServeOptions
+
+    serve = dispatch_stage(ctx, "serve", ServeOptions(
+        detach=True, device=request.device, longest_prompt=max(ctx.recipe.tune.buckets)))
+    trial.set_user_attr("serve_log", serve.log or "")
+    reason = _failure(serve, "serve")
+    swa = next((p for p in serve.problems if p.check == "serve.swa-pool"), None)
+    if reason is None and swa is not None:
+        reason = f"serve: {swa.message}"  # its longest bucket would never be admitted
+    figures: dict[int, float] = {}
+    if reason is None:
+        accept = dispatch_stage(ctx, "accept", AcceptOptions(no_throughput_gate=True))
+        trial.set_user_attr("report", str(accept.data.get("report", "")))
+        reason = _failure(accept, "accept")
+        figures = _bucket_medians(accept.data.get("throughput") or [])
+        if reason is None and not figures:
+            reason = "accept: no bucket measured a decode rate"
+    return reason, figures
 
 
 def probe_items(recipe: Recipe) -> list[str]:
