@@ -37,7 +37,7 @@ costs a fixed NPU part plus the CPU MoE's reads of the experts not resident on t
     tok/s           = hot_tail(H) / (NPU_S + CPU_S * (1 - share(E)) / bandwidth(P, T))
     share(E)        = 0.612 * E / 32    (the `inline resident` line's share at top-32,
                                          taken as linear in E)
-    bandwidth(P, T) = P/8 * min(1, t/12) / (1 + 0.04 * max(0, t - 12)),  t = T / P
+    bandwidth(P, T) = P/8 * min(1, t/12) / (1 + 0.08 * max(0, t - 12)),  t = T / P
                       (each NUMA node's pool saturates its memory at 12 threads; more
                       threads contend for it; the guide's 8 pools x 16 threads is past that)
     hot_tail(H)     = {0: 1.00, 32: 0.96, 64: 1.08, 128: 0.96}[H]  (the guide calls the
@@ -140,7 +140,7 @@ def model_rate(experts: int, pools: int, threads: int, hot_tail: int) -> float:
     """Decoded tokens per second under the performance model (module docstring)."""
     share = min(0.95, 0.612 * experts / 32)
     per_pool = threads / max(1, pools)
-    bandwidth = pools / 8 * min(1.0, per_pool / 12) / (1 + 0.04 * max(0.0, per_pool - 12))
+    bandwidth = pools / 8 * min(1.0, per_pool / 12) / (1 + 0.08 * max(0.0, per_pool - 12))
     cpu = CPU_S * (1 - share) / max(bandwidth, 1e-3)
     return HOT_TAIL.get(hot_tail, 1.0) / (NPU_S + cpu)
 

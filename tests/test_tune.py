@@ -39,7 +39,7 @@ def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
         tmp_path, no_leftovers):
     root, words, env = _tune_words(
         tmp_path, no_leftovers, sets=("tune.experts=[16, 24, 32]", "tune.cpuinfer=[64, 96, 128]"))
-    res = run_cli(*words, "--json", "tune", "--budget", "10", "--knob", "experts",
+    res = run_cli(*words, "--json", "tune", "--budget", "12", "--knob", "experts",
                   "--knob", "cpuinfer", "--knob", "hot_tail", env=env, timeout=600)
     assert res.code == 0, res
     events = _events(res.out)
@@ -47,7 +47,7 @@ def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
     started = _started(events)
     # the first trial is the recipe's own setting: 32 experts, 8 pools x 16 threads, no tail
     assert started[0] == {"experts": 32, "cpuinfer": 128, "hot_tail": 0}
-    assert len(started) <= 10
+    assert len(started) <= 12  # of the 36 settings of the space
     # the model's optimum over the searched space (8 pools on this host)
     space = [(e, t, h) for e in (16, 24, 32) for t in (64, 96, 128) for h in (0, 32, 64, 128)]
     optimum = max(space, key=lambda s: model_rate(s[0], 8, s[1], s[2]))

@@ -146,8 +146,10 @@ def _event_line(doc: dict[str, Any]) -> str:
     n = doc.get("trial")
     setting = _setting_text(doc.get("setting") or {})
     if kind == "tune.started":
+        stopped = (f"; stopped the workspace's server (pid {doc['stopped_server']}) first"
+                   if doc.get("stopped_server") else "")
         return (f"tune: study {doc['study']}, {doc['allowed']} allowed setting(s), "
-                f"{doc['measured']} measured before, budget {doc['budget']}")
+                f"{doc['measured']} measured before, budget {doc['budget']}{stopped}")
     if kind == "trial.started":
         return f"trial {n}: {setting}: starting the server"
     if kind == "trial.done":

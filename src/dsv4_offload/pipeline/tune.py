@@ -2,7 +2,8 @@
 
 Optuna (TPE, seeded) proposes a setting of the space (pipeline/tunespace.py); a setting the
 serve rules forbid is pruned with the rule's reason and never started; one measured before
-is answered from its record, never run again. Otherwise the trial stops any server of the
+is answered from its record, never run again, and the next trial is queued one knob away
+from the best measured setting (TPE on a small grid keeps proposing its best). Otherwise the trial stops any server of the
 workspace, starts one with the setting as `--set` items through the serve stage (its
 supervisor, its launch plan, its ladder; detached), runs the accept stage (its correctness
 checks; a trial that fails them is discarded with the first failure as the reason; its
@@ -49,9 +50,6 @@ if TYPE_CHECKING:
     from dsv4_offload.workspace.store import Workspace
 
 STUDY_DB = "study.db"
-# after this many proposals in a row that start nothing (forbidden or measured already), the
-# next unmeasured allowed setting is queued: TPE on a small grid keeps proposing its best
-STUCK_AFTER = 12
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smh])$")
 
 
@@ -197,7 +195,9 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
     def emit(event: str, **fields: Any) -> None:
         on_event(events.make(event, study=name, **fields))
 
-    _stop_server(base)  # a server of the workspace from before: each trial starts its own
+    # a server of the workspace from before (or one a killed tune left): each trial starts
+    # its own
+    stopped = _stop_server(base)
     requeued = recover_interrupted(ws, study, emit)
     allowed = [s for s in grid(space) if forbidden(recipe, facts, s, request.device) is None]
     if not study.get_trials(deepcopy=False):
@@ -205,10 +205,11 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
         study.enqueue_trial(full({}, space), user_attrs={"baseline": True})
     emit("tune.started", knobs={k.name: list(k.choices) for k in space},
          budget=request.budget.shown(), allowed=len(allowed),
-         measured=len(measured_trials(study)), requeued=requeued, db=str(study_path(ws)))
+         measured=len(measured_trials(study)), requeued=requeued, db=str(study_path(ws)),
+         stopped_server=stopped)
     order = allowed[:]
     random.Random(seed).shuffle(order)
-    started, idle = time.monotonic(), 0
+    started = time.monotonic()
     stopped_by = "budget"
     while True:
         done = measured_trials(study)
@@ -221,10 +222,6 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
         if request.budget.seconds is not None and \
                 time.monotonic() - started >= request.budget.seconds:
             break
-        if idle >= STUCK_AFTER:
-            fresh = next(s for s in order if key_of(s) not in seen)
-            study.enqueue_trial(fresh, user_attrs={"queued": "unmeasured"})
-            idle = 0
         trial = study.ask()
         setting = {k.name: trial.suggest_categorical(k.name, list(k.choices)) for k in space}
         why = forbidden(recipe, facts, setting, request.device)
@@ -232,7 +229,7 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
             trial.set_user_attr("reason", why)
             study.tell(trial, state=optuna.trial.TrialState.PRUNED)
             emit("trial.pruned", trial=trial.number, setting=setting, reason=why)
-            idle += 1
+            _queue_next(study, done, space, order, seen)
             continue
         twin = next((t for t in done if key_of(t.params) == key_of(setting)), None)
         if twin is not None:  # measured already: answered from its record, not run again
@@ -243,9 +240,8 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
                 trial.set_user_attr("reason", twin.user_attrs.get("reason", "failed"))
                 study.tell(trial, state=optuna.trial.TrialState.FAIL)
             emit("trial.repeat", trial=trial.number, setting=setting, same_as=twin.number)
-            idle += 1
+            _queue_next(study, done, space, order, seen)
             continue
-        idle = 0
         _measure(base, context_for, study, trial, setting, space, request, emit)
     _stop_server(base)
     best = best_trial(study)
@@ -254,6 +250,32 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
          best=best_doc)
     return TuneOutcome(name, len(measured_trials(study)), best_doc, stopped_by,
                        [_trial_doc(t) for t in study.get_trials(deepcopy=False)])
+
+
+def _queue_next(study: optuna.Study, done: Sequence[Any], space: Sequence[Knob],
+                order: Sequence[Mapping[str, Any]], seen: set[Any]) -> None:
+    """After a proposal that starts nothing, queue an unmeasured allowed setting: one knob
+    away from the best measured ones, best first, else the next of ``order``.
+
+    TPE on a small grid of a few knobs keeps proposing settings it measured (it exploits
+    its best); a repeat is answered from the record, and what comes next is the incumbent's
+    neighbourhood, one knob at a time, which a knob-by-knob landscape rewards.
+    """
+    allowed = {key_of(s): s for s in order}
+    ranked = sorted((t for t in done if t.value is not None), key=lambda t: -t.value)
+    for t in ranked:
+        for knob in space:
+            for value in knob.choices:
+                near = {**t.params, knob.name: value}
+                key = key_of(near)
+                if key in allowed and key not in seen:
+                    study.enqueue_trial(near, user_attrs={"queued": f"near trial {t.number}"},
+                                        skip_if_exists=True)
+                    return
+    fresh = next((s for s in order if key_of(s) not in seen), None)
+    if fresh is not None:
+        study.enqueue_trial(dict(fresh), user_attrs={"queued": "unmeasured"},
+                            skip_if_exists=True)
 
 
 def _measure(base: StageContext, context_for: Callable[[list[str]], StageContext],
@@ -338,11 +360,15 @@ def _bucket_medians(buckets: Sequence[Mapping[str, Any]]) -> dict[int, float]:
     return out
 
 
-def _stop_server(ctx: StageContext) -> None:
+def _stop_server(ctx: StageContext) -> int | None:
+    """Stop the workspace's server if one runs (the supervisor's checks: ours only); its pid."""
     from dsv4_offload.serving import supervisor as sv
 
-    if sv.record_alive(sv.read_record(ctx.workspace.serve_record)):
-        sv.stop_recorded(ctx.workspace.serve_record, ctx.recipe.serve.stop_timeout_s)
+    record = sv.read_record(ctx.workspace.serve_record)
+    if not sv.record_alive(record):
+        return None
+    sv.stop_recorded(ctx.workspace.serve_record, ctx.recipe.serve.stop_timeout_s)
+    return record.server_pid or record.supervisor_pid
 
 
 def _trial_doc(t: Any) -> dict[str, Any]:
