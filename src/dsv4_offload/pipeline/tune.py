@@ -1,17 +1,16 @@
 """`tune`: a search over the knobs of decode speed, one server start per trial.
 
-Optuna (TPE, seeded) proposes a setting of the space (pipeline/tunespace.py); a setting the
+Optuna (TPE, seeded) proposes a setting of the space (pipeline/tunespace.py). A setting the
 serve rules forbid is pruned with the rule's reason and never started; one measured before
 is answered from its record, never run again, and the next trial is queued one knob away
-from the best measured setting (TPE on a small grid keeps proposing its best). Otherwise the trial stops any server of the
-workspace, starts one with the setting as `--set` items through the serve stage (its
-supervisor, its launch plan, its ladder; detached), runs the accept stage (its correctness
-checks; a trial that fails them is discarded with the first failure as the reason; its
-throughput probe at the `tune.buckets`, median of `tune.repeats`), stops the server and
-records the mean of the buckets' medians as the trial's value, with the per-bucket figures,
-the report and the log as user attributes. The study lives in Optuna's SQLite storage under
-the workspace's tune/ directory; a killed `tune` resumes it: a trial it left RUNNING is
-marked failed ("interrupted") and its setting queued again, so it is measured once whole.
+from the best measured setting (TPE on a small grid keeps proposing its best). Otherwise the
+trial stops any server of the workspace, starts one through the serve stage (supervisor,
+launch plan, ladder; detached) with the setting as `--set` items, runs the accept stage (a
+failed check discards the trial with that reason; the throughput probe at `tune.buckets`,
+median of `tune.repeats`), stops the server and records the mean of the buckets' medians,
+with the per-bucket figures, report and log as user attributes. The study is Optuna's
+SQLite storage under the workspace's tune/; a killed `tune` resumes it: a trial it left
+RUNNING is marked failed ("interrupted") and its setting queued again, measured once whole.
 """
 
 from __future__ import annotations
@@ -214,6 +213,10 @@ def run_tune(base: StageContext, context_for: Callable[[list[str]], StageContext
     while True:
         done = measured_trials(study)
         seen = {key_of(t.params) for t in done}
+        if not allowed:
+            stopped_by = ("no setting of the space is allowed; the recipe's own: "
+                          f"{forbidden(recipe, facts, {}, request.device)}")
+            break
         if len(seen) >= len(allowed):
             stopped_by = "every allowed setting measured"
             break
