@@ -190,3 +190,21 @@ def test_tune_discards_a_setting_whose_swa_pool_cannot_take_the_longest_bucket(
     assert "exceeds the SWA KV pool (16 tokens" in failed[0]["reason"]
     assert events[-1]["best"]["setting"]["experts"] == 32
     assert events[-1]["stopped_by"] == "every allowed setting measured"
+
+
+def test_tune_never_starts_a_pool_count_the_hosts_dram_cannot_hold(tmp_path, no_leftovers):
+    # 1356 GiB available: one pool needs the GGUF set once plus the margin, several twice
+    _root, words, env = _tune_words(tmp_path, no_leftovers,
+                                    sets=("host.memory_margin_gib=1100",))
+    res = run_cli(*words, "--json", "tune", "--budget", "3", "--knob", "threadpools",
+                  env=env, timeout=600)
+    assert res.code == 0, res
+    events = _events(res.out)
+    assert events[0]["knobs"] == {"threadpools": [1, 2, 4, 8]} and events[0]["allowed"] == 1
+    pruned = [e for e in events if e["event"] == "trial.pruned"]
+    # the recipe's own setting, 8 pools (one per NUMA node), is the first proposal: refused
+    assert pruned[0]["setting"] == {"threadpools": 8}
+    assert all(e["reason"].startswith(f"threadpools {e['setting']['threadpools']}: DRAM: ")
+               and "the plan needs GGUF set" in e["reason"] for e in pruned)
+    assert _started(events) == [{"threadpools": 1}]
+    assert events[-1]["stopped_by"] == "every allowed setting measured"

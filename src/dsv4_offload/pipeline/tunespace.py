@@ -136,8 +136,9 @@ def forbidden(recipe: Recipe, facts: HostFacts, setting: Mapping[str, Any],
     if problem:
         return f"cpuinfer {threads}: {problem}"
     if facts.mem_available_kib is not None:
+        # 'warn' too: the page cache thrashing under it makes a trial of no use
         verdict, said = dram_advice(recipe, pools, facts.mem_available_kib / 2**20)
-        if verdict == "fail":
+        if verdict != "ok":
             return f"threadpools {pools}: DRAM: {said}"
     return None
 
