@@ -30,7 +30,8 @@ def tune(
         "mem_fraction, threadpools, cpuinfer, hot_tail; the others stay at the recipe's."),
     device: int | None = typer.Option(None, "--device", metavar="N",
                                       help="NPU id for every trial's server."),
-    seed: int | None = typer.Option(None, "--seed", help="The sampler's seed (tune.seed)."),
+    seed: int | None = typer.Option(None, "--seed", metavar="N",
+                                    help="The sampler's seed (tune.seed)."),
 ) -> None:
     """Search the knobs of decode speed: one server start per trial, the best kept.
 
