@@ -173,14 +173,14 @@ def _setting_text(setting: dict[str, Any]) -> str:
 @tune_app.command("show")
 def show(
     ctx: typer.Context,
-    study: str | None = typer.Option(None, "--study", help="Study name (default: the last)."),
+    study: str | None = typer.Option(None, "--study", metavar="NAME",
+                                      help="Study name (default: the last)."),
 ) -> None:
     """The trials of the study as a table (tok/s, setting, why a trial was discarded or
     not started) and a PNG of them (tune/<study>.png)."""
     from dsv4_offload.pipeline import tune as tn
-    from dsv4_offload.workspace.store import Workspace
 
-    ws = Workspace.from_option(kit.options_of(ctx).workspace)
+    ws = kit.load_context(ctx, "tune").workspace  # -w and -r as every command takes them
     found = tn.latest_study(ws, study)
     docs = tn.trial_docs(found)
     best = tn.best_trial(found)
@@ -239,17 +239,18 @@ def _plot(study: Any, path: Any) -> tuple[Any, str]:
 @tune_app.command("apply")
 def apply(
     ctx: typer.Context,
-    trial: int | None = typer.Option(None, "--trial", help="This trial (default: the best)."),
-    study: str | None = typer.Option(None, "--study", help="Study name (default: the last)."),
+    trial: int | None = typer.Option(None, "--trial", metavar="N",
+                                     help="This trial (default: the best)."),
+    study: str | None = typer.Option(None, "--study", metavar="NAME",
+                                      help="Study name (default: the last)."),
     clear: bool = typer.Option(False, "--clear", help="Remove the overlay: the recipe's own "
                                "values again."),
 ) -> None:
     """Write the best trial's setting as the workspace's recipe overlay (tune/overlay.yaml),
     which every later command lays on the recipe; `serve --print` names it as the origin."""
     from dsv4_offload.pipeline import tune as tn
-    from dsv4_offload.workspace.store import Workspace
 
-    ws = Workspace.from_option(kit.options_of(ctx).workspace)
+    ws = kit.load_context(ctx, "tune").workspace
     if clear:
         existed = ws.tune_overlay.is_file()
         ws.tune_overlay.unlink(missing_ok=True)
