@@ -28,6 +28,27 @@ write goes: `fixed` (the default, the bundled series carries our fix) also logs 
 `resident write verified` line; `broken` (the delivery's series unmodified on torch_npu)
 logs nothing more, and from then on every answer comes from stale expert weights: a
 different text that leaks `</think>`, until the server restarts.
+
+Performance model (--perf-model, for `tune`): the decode rate follows the knobs the launch
+plan gives it, read from its flags --kt-num-gpu-experts E, --kt-threadpool-count P,
+--kt-cpuinfer T and the environment's KT_HOT_TAIL_TOKENS H (0 when unset). A decoded token
+costs a fixed NPU part plus the CPU MoE's reads of the experts not resident on the NPU:
+
+    tok/s           = hot_tail(H) / (NPU_S + CPU_S * (1 - share(E)) / bandwidth(P, T))
+    share(E)        = 0.612 * E / 32    (the `inline resident` line's share at top-32,
+                                         taken as linear in E)
+    bandwidth(P, T) = P/8 * min(1, t/12) / (1 + 0.08 * max(0, t - 12)),  t = T / P
+                      (each NUMA node's pool saturates its memory at 12 threads; more
+                      threads contend for it; the guide's 8 pools x 16 threads is past that)
+    hot_tail(H)     = {0: 1.00, 32: 0.96, 64: 1.08, 128: 0.96}[H]  (the guide calls the
+                      knob worth -4 %..+8 %: both ends, +8 % at the guide's 64)
+    NPU_S, CPU_S    = 20 ms, 50 ms
+
+and the stand-in sleeps 1/rate/--perf-scale per token (the scale keeps tests quick). On the
+8-node fixture host the defaults (E=32, P=8, T=128, H=0) are not the optimum: T=96 and H=64
+are faster. --swa-per-expert N shrinks the SWA pool by N tokens per resident expert above
+32 (more experts leave less HBM for the KV pools), and --degenerate-hot-tail H makes every
+answer degenerate (a repeated character) while KT_HOT_TAIL_TOKENS=H.
 """
 
 from __future__ import annotations
@@ -106,12 +127,32 @@ class State:
         self.stale_experts = False  # a broken resident write has happened (until restart)
 
 
+NPU_S, CPU_S = 0.020, 0.050
+HOT_TAIL = {0: 1.00, 32: 0.96, 64: 1.08, 128: 0.96}
+
+
+def hot_tail_tokens() -> int:
+    raw = os.environ.get("KT_HOT_TAIL_TOKENS", "")
+    return int(raw) if raw.isdigit() else 0
+
+
+def model_rate(experts: int, pools: int, threads: int, hot_tail: int) -> float:
+    """Decoded tokens per second under the performance model (module docstring)."""
+    share = min(0.95, 0.612 * experts / 32)
+    per_pool = threads / max(1, pools)
+    bandwidth = pools / 8 * min(1.0, per_pool / 12) / (1 + 0.08 * max(0.0, per_pool - 12))
+    cpu = CPU_S * (1 - share) / max(bandwidth, 1e-3)
+    return HOT_TAIL.get(hot_tail, 1.0) / (NPU_S + cpu)
+
+
 def count_tokens(text: str) -> int:
     return len(re.findall(r"\w+|[^\w\s]", text))
 
 
 def answer(state: State, prompt: str, max_tokens: int) -> str:
     mode = state.args.mode
+    if state.args.degenerate_hot_tail and hot_tail_tokens() == state.args.degenerate_hot_tail:
+        mode = "repeat-char"
     if mode == "empty-200":
         return ""
     if mode == "garbled":
@@ -349,6 +390,12 @@ def main() -> int:
     parser.add_argument("--fatal", default="kv-cache")
     parser.add_argument("--kv-max-experts", type=int, default=24)
     parser.add_argument("--kt-num-gpu-experts", type=int, default=32)
+    parser.add_argument("--kt-threadpool-count", type=int, default=1)  # sglang's flag
+    parser.add_argument("--kt-cpuinfer", type=int, default=32)  # sglang's flag
+    parser.add_argument("--perf-model", action="store_true")
+    parser.add_argument("--perf-scale", type=float, default=2.0)
+    parser.add_argument("--swa-per-expert", type=int, default=0)
+    parser.add_argument("--degenerate-hot-tail", type=int, default=0)
     parser.add_argument("--token-delay", type=float, default=0.002)
     parser.add_argument("--exit-after-fatal", action="store_true")
     parser.add_argument("--api-key", default=None)
@@ -380,6 +427,13 @@ def main() -> int:
                        "dockerenv": os.path.exists("/.dockerenv")}, fh)
         os.replace(tmp, args.report)
     args.chunk = args.chunk or args.chunked_prefill_size
+    if args.perf_model:
+        rate = model_rate(args.kt_num_gpu_experts, args.kt_threadpool_count, args.kt_cpuinfer,
+                          hot_tail_tokens())
+        args.token_delay = 1.0 / rate / args.perf_scale
+        print(f"[standin] perf model: {rate:.2f} tok/s (x{args.perf_scale:g})", flush=True)
+    if args.swa_per_expert:
+        args.swa_size -= max(0, args.kt_num_gpu_experts - 32) * args.swa_per_expert
     # sglang logs its whole ServerArgs at start-up, the api key among them
     print(f"server_args=ServerArgs(host={args.host!r}, port={args.port}, "
           f"api_key={args.api_key!r})", flush=True)

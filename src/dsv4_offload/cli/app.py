@@ -39,7 +39,7 @@ app = typer.Typer(
 )
 
 AREA_MODULES = ("pipeline", "recipes", "sources", "build", "gguf", "serve", "container",
-                "report")
+                "report", "tune")
 
 
 def _version(value: bool) -> None:

@@ -22,6 +22,12 @@ most have ``stage``. The kinds, and the fields beside them:
 - ``layer.started`` / ``layer.converted`` / ``layer.verified`` / ``layer.failed``
                                                  stage, layer (failed: error, fix)
 
+`tune --json` prints its own events in the same form, each with ``study``: ``tune.started``
+(knobs, budget, allowed, measured, requeued), ``trial.started`` / ``trial.done`` /
+``trial.failed`` / ``trial.pruned`` / ``trial.repeat`` / ``trial.requeued`` (trial,
+setting; done: tok_s, buckets; failed and pruned: reason; repeat: same_as), and last
+``tune.finished`` (measured, stopped_by, best).
+
 One write per line with O_APPEND: lines of concurrent writers (stage processes, threads)
 never interleave for the sizes written here (regular files take an appending write whole).
 """

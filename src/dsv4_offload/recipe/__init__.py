@@ -53,6 +53,7 @@ from dsv4_offload.recipe.sections import (
     Serve,
     Source,
     StepCheck,
+    Tune,
     Weights,
     WeightSet,
 )
@@ -63,7 +64,8 @@ __all__ = [
     "LogMarker", "Origin", "PatchEntry", "PatchOrigin", "Pipeline", "Platform", "Probe",
     "RealLayer", "Recipe", "Residency", "RemoteFile", "RunPackage", "Runtime", "Selftest",
     "SelftestEmulator", "Serve", "Series",
-    "Source", "StepCheck", "Strict", "Throughput", "WeightSet", "Weights", "apply_overrides",
+    "Source", "StepCheck", "Strict", "Throughput", "Tune", "WeightSet", "Weights",
+    "apply_overrides",
     "bundled_recipe_names", "load_recipe", "load_recipe_and_series", "load_series",
     "looks_like_series", "resolve_recipe_path", "resolve_series_path",
 ]

@@ -13,6 +13,7 @@ from pydantic import (
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe.fields import BUNDLED_RECIPES, BUNDLED_SERIES, DEFAULT_RECIPE
 from dsv4_offload.recipe.model import Origin, Recipe
+from dsv4_offload.recipe.overlay import read_overlay
 from dsv4_offload.recipe.overrides import apply_overrides, override_locations
 from dsv4_offload.recipe.sections import Series
 from dsv4_offload.recipe.sourcelock import apply_source_locks
@@ -162,10 +163,11 @@ def _read_recipe(path: Path, seen: tuple[Path, ...] = ()) -> tuple[Any, list[Pat
 
 
 def load_recipe(spec: str | None = None, overrides: list[str] | None = None,
-                locks: Path | None = None) -> Recipe:
-    """The one way a recipe is made: the file (and what it extends), then the `--set` items,
-    validated as a whole; prefix-pinned sources take the full SHAs of ``locks`` (a
-    workspace's sources.lock.json) when given."""
+                locks: Path | None = None, overlay: Path | None = None) -> Recipe:
+    """The one way a recipe is made: the file (and what it extends), the workspace's tune
+    ``overlay`` when the file exists (recipe/overlay.py), then the `--set` items, validated
+    as a whole; prefix-pinned sources take the full SHAs of ``locks`` (a workspace's
+    sources.lock.json) when given."""
     path = resolve_recipe_path(spec)
     if looks_like_series(str(path)):
         raise InputError(
@@ -173,13 +175,19 @@ def load_recipe(spec: str | None = None, overrides: list[str] | None = None,
             f"series={path.resolve()} (or `series:` in a recipe file); `dsv4-offload recipe "
             f"validate {path}` checks it")
     located, chain = _read_recipe(path)
+    overlay_keys: tuple[str, ...] = ()
+    if overlay is not None and overlay.is_file():
+        laid, overlay_keys = read_overlay(overlay)
+        located = _merge(located, laid, str(overlay))
+    else:
+        overlay = None
     doc = apply_overrides(located, overrides, str(path)) if overrides else located
     try:
         recipe = Recipe.model_validate(plain(doc))
     except ValidationError as exc:
         raise located_error(str(path), located, exc,
                             override_locations(located, overrides or [])) from None
-    recipe._origin = Origin(path, tuple(chain), tuple(overrides or ()))
+    recipe._origin = Origin(path, tuple(chain), tuple(overrides or ()), overlay, overlay_keys)
     if locks is not None and any(s.commit_prefix for s in recipe.sources):
         apply_source_locks(recipe, locks)
     return recipe
@@ -253,9 +261,10 @@ def _skip_patches(path: Path, series: Series, recipe: Recipe) -> Series:
 
 
 def load_recipe_and_series(
-    spec: str | None = None, overrides: list[str] | None = None, locks: Path | None = None
+    spec: str | None = None, overrides: list[str] | None = None, locks: Path | None = None,
+    overlay: Path | None = None,
 ) -> tuple[Recipe, Series]:
-    recipe = load_recipe(spec, overrides, locks)
+    recipe = load_recipe(spec, overrides, locks, overlay)
     return recipe, load_series(resolve_series_path(recipe), recipe)
 
 

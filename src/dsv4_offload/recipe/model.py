@@ -23,6 +23,7 @@ from dsv4_offload.recipe.sections import (
     Selftest,
     Serve,
     Source,
+    Tune,
     Weights,
 )
 
@@ -127,6 +128,10 @@ class Origin:
     file: Path
     chain: tuple[Path, ...]
     overrides: tuple[str, ...] = ()
+    # the workspace's tune overlay (`tune apply`) laid on the chain before the --set items,
+    # and the dotted keys it sets (for `serve --print`'s origins)
+    overlay: Path | None = None
+    overlay_keys: tuple[str, ...] = ()
 
 
 class Recipe(Strict):
@@ -164,6 +169,7 @@ class Recipe(Strict):
     pipeline: Pipeline = Field(
         Pipeline(), description="how a pipelined `run` shares the cores between build and "
         "conversion")
+    tune: Tune = Field(Tune(), description="what `tune` searches (the knobs of decode speed)")
 
     @model_validator(mode="after")
     def _cross_refs(self) -> Recipe:
@@ -215,6 +221,11 @@ class Recipe(Strict):
     @property
     def overrides(self) -> tuple[str, ...]:
         return self._origin.overrides if self._origin else ()
+
+    @property
+    def overlay_keys(self) -> tuple[str, ...]:
+        """The dotted keys the workspace's tune overlay set (none without one)."""
+        return self._origin.overlay_keys if self._origin else ()
 
     def source(self, name: str) -> Source:
         for s in self.sources:

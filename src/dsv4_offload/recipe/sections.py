@@ -480,6 +480,12 @@ class Serve(Strict):
     cpuinfer_default: int = Field(
         32, gt=0, description="CPU-infer threads on a single-NUMA host (launcher L126)")
     threads_per_numa: int = Field(16, gt=0, description="CPU-infer threads per NUMA node")
+    kt_threadpool_count: int | None = Field(
+        None, gt=0, description="kt-kernel subpools (`--kt-threadpool-count`); null: one per NUMA "
+        "node (launcher L127-131); an exported KT_THREADPOOL_COUNT wins")
+    kt_cpuinfer: int | None = Field(
+        None, gt=0, description="CPU-infer threads (`--kt-cpuinfer`); null: derived from the "
+        "pools and the cores (launcher L123-126); an exported KT_CPUINFER wins")
     chunked_prefill_size: int = Field(
         8192, gt=0,
         description="a positive multiple of `page_size`, at least `longest_prompt_tokens`")
@@ -532,6 +538,38 @@ class Serve(Strict):
                 "one chunk to cover the prompt)"
             )
         return self
+
+
+class Tune(Strict):
+    """What `dsv4-offload tune` searches: each knob's values, limited by the serve rules."""
+
+    experts: list[int] = Field(
+        [16, 24, 32, 40], min_length=1,
+        description="resident experts to try (serve.kt_num_gpu_experts); above "
+        "serve.kt_num_gpu_experts_max never started")
+    mem_fraction: list[float] = Field(
+        [0.81, 0.82, 0.83, 0.85], min_length=1,
+        description="--mem-fraction-static values to try (serve.mem_fraction_static); the "
+        "MEM_FRACTION rule (guide appendix G.1) prunes what it forbids")
+    threadpools: list[int] = Field(
+        [], description="kt-kernel subpools to try (serve.kt_threadpool_count); []: 1, the "
+        "host's NUMA nodes and the powers of two between; above the NUMA nodes never started")
+    cpuinfer: list[int] = Field(
+        [16, 32, 64, 96, 128, 160], min_length=1,
+        description="CPU-infer threads to try (serve.kt_cpuinfer); fewer than the pools or "
+        "more than the cores less serve.reserved_cores never started")
+    hot_tail_tokens: list[int] = Field(
+        [0, 32, 64, 128], min_length=1,
+        description="KT_HOT_TAIL_TOKENS values to try (serve.env; 0: off, the launcher's "
+        "default); the guide measures 64 at -4 %..+8 %")
+    buckets: list[int] = Field(
+        [1000, 8000], min_length=1,
+        description="prompt sizes (tokens) of each trial's throughput probe; the objective is "
+        "the mean of their median tok/s")
+    repeats: int = Field(3, gt=0, description="runs per bucket; the median counts")
+    new_tokens: int = Field(256, gt=0, description="decoded tokens per run")
+    budget: str = Field("20", description="default --budget: trials (`20`) or time (`30m`)")
+    seed: int = Field(0, description="the sampler's seed (Optuna TPE)")
 
 
 # --- selftest ------------------------------------------------------------------------------

@@ -31,13 +31,17 @@ from dsv4_offload.serving.rules import (
     RULE,
     SCRIPTS,
     SET,
+    TUNED,
     WORKSPACE,
     chunked_prefill,
     connect_url,
     cpu_plan,
+    cpuinfer_problem,
     dram_advice,
     env_number,
+    experts_problem,
     is_loopback,
+    mem_fraction_problem,
     missing_layer_files,
     missing_op_files,
     nsa_compressor_mode,
@@ -45,6 +49,7 @@ from dsv4_offload.serving.rules import (
     op_dir,
     pick_device,
     read_api_key,
+    threadpool_problem,
     weight_template,
 )
 
@@ -143,7 +148,14 @@ class _Draft:
         return self.recipe.serve.command is not None
 
     def recipe_origin(self, field_name: str) -> str:
-        return SET if f"serve.{field_name}" in self.sets else RECIPE
+        key = f"serve.{field_name}"
+        if key in self.sets:
+            return SET
+        overlay = self.recipe.origin.overlay if self.recipe.origin else None
+        if overlay is not None and any(k == key or k.startswith(key + ".")
+                                       for k in self.recipe.overlay_keys):
+            return f"{TUNED} ({overlay})"
+        return RECIPE
 
     def from_env(self, name: str) -> str:
         return f"{ENVIRONMENT} ({name}, launcher {FLAG_KNOBS[name][1]})"
@@ -179,14 +191,28 @@ def _cpu_pools(d: _Draft) -> tuple[int, int]:
             f"node(s) and kt-kernel binds subpool i to node i (\"NUMA node N not found\" "
             f"otherwise, launcher L127-129); export a value from 1 to {nodes} or unset it"
         )
-    cpus = cpu_plan(d.serve, host.numa_nodes, host.cores, int(env_pools or 0) or None)
+    recipe_pools = d.serve.kt_threadpool_count
+    if env_pools is None and recipe_pools is not None:
+        problem = threadpool_problem(recipe_pools, nodes)
+        if problem:
+            raise InputError(f"serve.kt_threadpool_count={recipe_pools}: {problem}")
+    cpus = cpu_plan(d.serve, host.numa_nodes, host.cores,
+                    int(env_pools or 0) or recipe_pools)
     pools, threads = cpus.pools, cpus.threads
     # host facts: warnings with their consequence (doctor's NUMA row says the same)
     d.warnings += [w for w in (cpus.warning,
                                None if env_pools == 1 else numa_warning(host.numa_nodes)) if w]
-    d.origins["--kt-threadpool-count"] = (d.from_env("KT_THREADPOOL_COUNT") if env_pools else
-                                          f"{HOST} ({nodes} NUMA node(s))")
+    d.origins["--kt-threadpool-count"] = (
+        d.from_env("KT_THREADPOOL_COUNT") if env_pools else
+        d.recipe_origin("kt_threadpool_count") if recipe_pools is not None else
+        f"{HOST} ({nodes} NUMA node(s))")
     d.origins["--kt-cpuinfer"] = f"{HOST} ({pools} pool(s), {host.cores} cores)"
+    if env_threads is None and d.serve.kt_cpuinfer is not None:
+        threads = d.serve.kt_cpuinfer
+        problem = cpuinfer_problem(threads, pools, host.cores, d.serve.reserved_cores)
+        if problem:
+            raise InputError(f"serve.kt_cpuinfer={threads}: {problem}")
+        d.origins["--kt-cpuinfer"] = d.recipe_origin("kt_cpuinfer")
     if env_threads is not None:
         if env_threads < pools:
             raise InputError(f"KT_CPUINFER={env_threads} in the environment: fewer threads than "
@@ -247,12 +273,9 @@ def _gpu_experts(d: _Draft, retry: int | None) -> int:
     experts = base if retry is None else retry
     if experts != base:
         d.origins["--kt-num-gpu-experts"] = f"{RULE} (retry after a KV/HBM failure)"
-    if not 0 <= experts <= s.kt_num_gpu_experts_max:
-        raise InputError(
-            f"KT_NUM_GPU_EXPERTS={experts}: above the measured ceiling of "
-            f"{s.kt_num_gpu_experts_max} resident experts at context 65536 (launcher L299-300; "
-            "each costs ~1 GB of HBM); use at most that, or lower serve.context_length and raise "
-            "serve.kt_num_gpu_experts_max")
+    problem = experts_problem(s, experts)
+    if problem:
+        raise InputError(f"KT_NUM_GPU_EXPERTS={experts}: {problem}")
     return experts
 
 
@@ -266,20 +289,9 @@ def _mem_fraction(d: _Draft, retry: float | None) -> float:
     if not 0 < fraction < 1:
         raise InputError(f"MEM_FRACTION={fraction:g}: must be between 0 and 1 (default 0.81, "
                          "guide appendix G.1); fix or unset it")
-    if fraction > s.mem_fraction_floor + 1e-9 and d.effective("KT_PREFILL_STREAM") == "1":
-        # guide appendix G.1 (L663-669): 0.85 OOMs a 32k streamed prefill and falls back to
-        # the hybrid path, 0.83 takes 125 s; the headroom above the floor is what the
-        # streaming temporaries use
-        d.warnings.append(
-            f"--mem-fraction-static {fraction:g} is above {s.mem_fraction_floor:g} with "
-            "streaming prefill on (KT_PREFILL_STREAM=1): the guide's A3 table (appendix G.1) "
-            "shows 0.85 failing a 32k prefill into the slow hybrid fallback and 0.83 taking "
-            f"125 s; use {s.mem_fraction_floor:g} unless you measured otherwise")
-    if fraction < s.mem_fraction_floor:
-        d.warnings.append(
-            f"--mem-fraction-static {fraction:g} is below the floor {s.mem_fraction_floor:g}: "
-            "the KV pool drops below the context length (guide appendix G.1); use "
-            f"{s.mem_fraction_floor:g}")
+    warning = mem_fraction_problem(s, fraction, d.effective("KT_PREFILL_STREAM") == "1")
+    if warning:
+        d.warnings.append(warning)
     return fraction
 
 
@@ -303,7 +315,7 @@ def _env_knobs(d: _Draft) -> dict[str, str]:
         else:
             knob_env[key] = value
             d.origins[key] = (SET if ("serve.env" in d.sets or f"serve.env.{key}" in d.sets)
-                              else RECIPE)
+                              else d.recipe_origin(f"env.{key}"))
     for key in ENV_KNOBS:
         if d.base_env.get(key) and key not in d.serve.env:
             d.origins[key] = f"{ENVIRONMENT} (launcher {ENV_KNOBS[key]})"

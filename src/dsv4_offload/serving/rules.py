@@ -68,8 +68,9 @@ OP_STEP = "ascendc-op"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1", "[::1]")
 
 # origins shown by `serve --print`
-RECIPE, SET, ENVIRONMENT, HOST, WORKSPACE, OPTION, SCRIPTS, RULE = (
-    "recipe", "--set", "environment", "host", "workspace", "option", "CANN set_env", "rule")
+RECIPE, SET, ENVIRONMENT, HOST, WORKSPACE, OPTION, SCRIPTS, RULE, TUNED = (
+    "recipe", "--set", "environment", "host", "workspace", "option", "CANN set_env", "rule",
+    "tune overlay")
 
 
 @dataclass(frozen=True)
@@ -119,6 +120,57 @@ def cpu_threads(serve: Serve, numa_nodes: Sequence[int], cores: int,
     """(threadpool count, CPU-infer threads) of :func:`cpu_plan`."""
     plan = cpu_plan(serve, numa_nodes, cores, pools)
     return plan.pools, plan.threads
+
+
+def threadpool_problem(pools: int, nodes: int) -> str | None:
+    """Why ``pools`` kt-kernel subpools cannot run on a host of ``nodes`` NUMA nodes, or None:
+    kt-kernel binds subpool i to node i ("NUMA node N not found" otherwise, L127-131)."""
+    if 1 <= pools <= nodes:
+        return None
+    return (f"this host has {nodes} NUMA node(s) and kt-kernel binds subpool i to node i "
+            "(\"NUMA node N not found\" otherwise, launcher L127-129); use 1 to "
+            f"{nodes}")
+
+
+def cpuinfer_problem(threads: int, pools: int, cores: int, reserved: int) -> str | None:
+    """Why ``threads`` CPU-infer threads over ``pools`` subpools do not fit the host, or None:
+    at least one per subpool, and the recipe's reserved cores left free (L124-125)."""
+    if threads < pools:
+        return f"fewer threads than the {pools} subpool(s); give at least {pools}"
+    if threads > cores - reserved:
+        return (f"more than the {cores} cores less serve.reserved_cores={reserved} (the NPU "
+                "callback, python and the OS need them; the pool thrashes, launcher "
+                f"L124-125); give at most {max(pools, cores - reserved)}")
+    return None
+
+
+def experts_problem(serve: Serve, experts: int) -> str | None:
+    """Why ``experts`` resident experts do not fit the NPU's HBM, or None: the measured
+    ceiling (launcher L299-300; each costs ~1 GB of HBM)."""
+    if 0 <= experts <= serve.kt_num_gpu_experts_max:
+        return None
+    return (f"above the measured ceiling of {serve.kt_num_gpu_experts_max} resident experts "
+            "at context 65536 (launcher L299-300; each costs ~1 GB of HBM); use at most that, "
+            "or lower serve.context_length and raise serve.kt_num_gpu_experts_max")
+
+
+def mem_fraction_problem(serve: Serve, fraction: float, streaming: bool) -> str | None:
+    """The MEM_FRACTION rule (guide appendix G.1): what ``fraction`` costs, or None.
+
+    Below the floor the KV pool holds less than the context; above it with streaming prefill
+    on, the streaming temporaries lose the headroom they use (G.1 L663-669: 0.85 OOMs a 32k
+    streamed prefill into the hybrid fallback, 0.83 takes 125 s).
+    """
+    floor = serve.mem_fraction_floor
+    if fraction > floor + 1e-9 and streaming:
+        return (f"--mem-fraction-static {fraction:g} is above {floor:g} with streaming prefill "
+                "on (KT_PREFILL_STREAM=1): the guide's A3 table (appendix G.1) shows 0.85 "
+                "failing a 32k prefill into the slow hybrid fallback and 0.83 taking 125 s; "
+                f"use {floor:g} unless you measured otherwise")
+    if fraction < floor - 1e-9:
+        return (f"--mem-fraction-static {fraction:g} is below the floor {floor:g}: the KV pool "
+                f"drops below the context length (guide appendix G.1); use {floor:g}")
+    return None
 
 
 def numa_warning(numa_nodes: Sequence[int]) -> str | None:

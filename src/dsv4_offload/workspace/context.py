@@ -51,13 +51,15 @@ class StageContext:
              options: StageOptions | Mapping[str, Any] | None = None,
              progress: Progress | None = None, stage: str = "", verbose: bool = False
              ) -> StageContext:
-        """The recipe (bundled name or file) with its `--set` items and the workspace's
-        locked commits, its series, and the workspace (``--workspace``, else the default)."""
+        """The recipe (bundled name or file) with the workspace's tune overlay, its `--set`
+        items and the workspace's locked commits, its series, and the workspace
+        (``--workspace``, else the default)."""
         from dsv4_offload.recipe import load_recipe_and_series
         from dsv4_offload.workspace.store import Workspace
 
         ws = Workspace.from_option(workspace)
-        loaded, series = load_recipe_and_series(recipe, overrides, locks=ws.sources_lock_file)
+        loaded, series = load_recipe_and_series(recipe, overrides, locks=ws.sources_lock_file,
+                                                overlay=ws.tune_overlay)
         return cls(recipe=loaded, series=series, workspace=ws, options=_own(options or {}),
                    progress=progress or Progress(), stage=stage, verbose=verbose)
 

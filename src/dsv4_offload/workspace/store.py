@@ -262,6 +262,16 @@ class Workspace:
         return self.run_dir / "supervisor.log"
 
     @property
+    def tune_dir(self) -> Path:
+        """`tune`'s study (Optuna's SQLite storage), its plot, and the applied overlay."""
+        return self.root / "tune"
+
+    @property
+    def tune_overlay(self) -> Path:
+        """The serve settings `tune apply` chose: laid on the recipe by every command."""
+        return self.tune_dir / "overlay.yaml"
+
+    @property
     def serve_ladder(self) -> Path:
         """How many resident experts last came up, after a KV-cache failure."""
         return self.run_dir / "serve-ladder.json"
