@@ -27,8 +27,6 @@ CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGG
               "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF")
 
 
-
-
 def _run(args: list[str], log: Path, env: dict[str, str] | None = None,
          timeout: float = 3600) -> None:
     with open(log, "a") as fh:
