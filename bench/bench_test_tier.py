@@ -73,6 +73,8 @@ def main() -> int:
         return 2
     sha = rev.stdout.strip()
     top = Path(tempfile.mkdtemp(prefix="dsv4-tier-"))
+    # as a clone in a shared directory: tests/test_access.py runs the CLI from it as nobody
+    top.chmod(0o755)
     clone, log = top / "clone", top / "bench.log"
     try:
         subprocess.run(["git", "clone", "-q", "--no-checkout", str(REPO), str(clone)],
