@@ -112,7 +112,8 @@ def recipe_reads():  # type: ignore[no-untyped-def]
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """The `slow` tests last (a stable sort: the others keep their order): on a fresh
-    machine the real peer's wheel is still being built in the background (.ci/run) while
-    the rest runs, and a worker that reached the peer early would wait for it idle."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is not None)
+    """The real peer's tests last (a stable sort: the others keep their order): on a fresh
+    machine its wheel is still being built in the background (.ci/run) while the default tier
+    and the rest of the long one run, and a worker that reached the peer early would wait for
+    it idle."""
+    items.sort(key=lambda item: "peer_python" in getattr(item, "fixturenames", ()))

@@ -29,8 +29,9 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from testcache import cache_dir
+
 ENGINE_CLIENT = "/usr/bin/docker"  # the client that came with docker.io (matches dockerd)
-CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dsv4-offload-tests"
 # hwloc and pkg-config are what the 910B image lacks and `container up` installs: they are
 # baked in here, because a container has no network on this machine (the test of the
 # missing-packages path uses an image without them); automake because debootstrap does not
@@ -125,7 +126,7 @@ def apt_mirror() -> str:
 def image_tarball(packages: tuple[str, ...] = IMAGE_PACKAGES) -> Path:
     """A minbase root filesystem tarball with ``packages``, made once and cached by its list."""
     key = hashlib.sha256(" ".join((SUITE, *packages)).encode()).hexdigest()[:12]
-    tarball = CACHE / "images" / f"{SUITE}-{key}.tar"
+    tarball = cache_dir() / "images" / f"{SUITE}-{key}.tar"
     tarball.parent.mkdir(parents=True, exist_ok=True)
     # one maker at a time: `.ci/run` starts this file in the background (below) while the
     # suite's workers may reach the engine test before it is done

@@ -18,15 +18,13 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+from testcache import cache_dir
+
 LLAMA_CPP_PYTHON = "0.3.36"
 # the default (native) build crashes on the first request on these CPUs (ggml AMX path)
 CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON "
               "-DGGML_AVX512=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF "
               "-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF")
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSV4_TEST_CACHE", "~/.cache/dsv4-offload-tests")).expanduser()
 
 
 def _run(args: list[str], log: Path, env: dict[str, str] | None = None,

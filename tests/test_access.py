@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -74,35 +75,38 @@ def _cli_as_nobody(*args: str, cwd: Path = Path("/")) -> subprocess.CompletedPro
                           stdin=subprocess.DEVNULL)
 
 
+def _judged(args: list[str], where: str, cwd: Path) -> str | None:
+    """What is wrong with one command's answer over an unreadable workspace (None: right)."""
+    res = _cli_as_nobody(*args, cwd=cwd)
+    err = res.stderr.strip().splitlines()
+    said = f"{' '.join(args[2:])}: exit {res.returncode}, stderr {res.stderr[-300:]!r}"
+    if "Traceback" in res.stderr or len(err) > 1:
+        return said
+    if "--json" in args[2:3]:
+        try:
+            doc = Envelope.parse(res.stdout)
+        except Exception:  # any unparsable stdout is the failure
+            return f"{said}; stdout {res.stdout[:200]!r} is no JSON document"
+        if doc.status == "error" and doc.data.get("exit_code") != res.returncode:
+            return f"{said}; the document's exit code differs"
+    if res.returncode == 0:
+        return None  # a command that reads no workspace (recipe list, ...)
+    line = err[0] if err else ""
+    expected = ("cannot read" in line and "is owned by" in line) if "0700" in where \
+        else ("is a file, not a directory" in line)
+    return None if expected else said
+
+
 @pytest.mark.parametrize("where", ["other user's 0700 workspace", "path through a file"])
 def test_every_command_says_the_workspace_is_not_readable_in_one_line(
         places: dict[str, Path], where: str) -> None:
     ws = places[where]
-    wrong = []
-    for command in leaf_commands():
-        for as_json in (True, False):
-            args = ["-w", str(ws), *(["--json"] if as_json else []), *command.split()]
-            res = _cli_as_nobody(*args, cwd=places["cwd"])
-            err = res.stderr.strip().splitlines()
-            said = f"{' '.join(args[2:])}: exit {res.returncode}, stderr {res.stderr[-300:]!r}"
-            if "Traceback" in res.stderr or len(err) > 1:
-                wrong.append(said)
-                continue
-            if as_json:
-                try:
-                    doc = Envelope.parse(res.stdout)
-                except Exception:  # any unparsable stdout is the failure
-                    wrong.append(f"{said}; stdout {res.stdout[:200]!r} is no JSON document")
-                    continue
-                if doc.status == "error" and doc.data.get("exit_code") != res.returncode:
-                    wrong.append(f"{said}; the document's exit code differs")
-            if res.returncode == 0:
-                continue  # a command that reads no workspace (recipe list, ...)
-            line = err[0] if err else ""
-            expected = ("cannot read" in line and "is owned by" in line) if "0700" in where \
-                else ("is a file, not a directory" in line)
-            if not expected:
-                wrong.append(said)
+    runs = [["-w", str(ws), *(["--json"] if as_json else []), *command.split()]
+            for command in leaf_commands() for as_json in (True, False)]
+    # each command is its own process, mostly interpreter start-up: a few at a time
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        answers = list(pool.map(lambda args: _judged(args, where, places["cwd"]), runs))
+    wrong = [said for said in answers if said is not None]
     assert not wrong, "\n".join(wrong)
 
 

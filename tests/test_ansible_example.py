@@ -79,8 +79,17 @@ def _status(venv: Path, ws: Path, env: dict[str, str], sets: list[str]
 STAGES = ("download", "convert", "verify-gguf")
 
 
+@pytest.mark.slow
 def test_two_hosts_come_up_and_a_rerun_resumes_the_one_that_failed(
         tmp_path: Path, wheel: Path) -> None:
+    """Two hosts, one failing, then a rerun of the whole playbook: only the failed one works.
+
+    Fast tests of its seams (the playbook itself, installed from the wheel and driving
+    `run --json`; a rerun that resumes; a failing stage's record):
+    tests/test_ansible_example.py::test_the_fleets_weights_lock_gives_a_later_host_the_same_commits
+    tests/test_pipeline.py::test_killed_run_resumes_from_the_interrupted_stage
+    tests/test_pipeline.py::test_failure_stops_the_run_with_a_failed_record
+    """
     src = write_synthetic_checkpoint(tmp_path / "ckpt", DIMS, real_layout=True)
     mxfp4, w8a8 = repo_of(src, MXFP4_REPO), w8a8_repo(src)
     site = sysconfig.get_paths()["purelib"]  # the test interpreter's dependencies

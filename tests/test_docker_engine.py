@@ -76,7 +76,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_the_910b_container_path_on_a_real_engine(engine: de.Engine, tmp_path: Path) -> None:
+    """The 910B container path on a real engine, a real image and the delivery's `docker run`.
+
+    Fast tests of its seams, against a recording `docker` (tests/recording_docker.py): `up`,
+    its reuse, a stand-alone stage sent in, knobs crossing by name, serve status and stop,
+    and a killed CLI stopping its `docker exec`:
+    tests/test_container.py::test_up_runs_the_delivery_docker_run_pulls_and_installs
+    tests/test_container.py::test_matching_container_is_reused_and_rechecked
+    tests/test_container.py::test_a_stand_alone_stage_command_runs_in_the_container_as_run_does
+    tests/test_container.py::test_exported_knobs_cross_by_name_and_no_secret_is_on_argv
+    tests/test_container.py::test_serve_status_and_stop_go_where_the_server_runs
+    tests/test_container.py::test_killing_the_cli_stops_its_docker_exec_client
+    What no fast test can: that a real engine and runc accept the delivery's line, the image's
+    python runs the tool's venv, and the published port answers.
+    """
     ws = tmp_path / "ws"
     ws.mkdir()
     port = _free_port()

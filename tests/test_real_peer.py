@@ -162,6 +162,15 @@ def _serve_and_accept(tmp_path: Path, tag: str, python: Path, model: Path):
 
 def test_real_peer_passes_accept_and_reports_tok_s(tmp_path, no_leftovers, peer_python,
                                                    smollm2):
+    """A real LLM server through the real launcher passes `accept --api openai`.
+
+    Fast tests of its seams: this server's greedy answers, captured
+    (tests/fixtures/peer-greedy-outputs.json) and judged; the OpenAI API, the chart and the
+    log markers against the stand-in server:
+    tests/test_accept_checks.py::test_real_greedy_answers_of_the_small_model_pass
+    tests/test_accept_stage.py::test_openai_api_with_a_chat_probe_file
+    tests/test_accept_stage.py::test_good_server_passes_with_the_delivery_method_report_chart_and_provenance
+    """
     result, log = _serve_and_accept(tmp_path, no_leftovers, peer_python, smollm2)
     assert result.code == 0, result
     doc = result.json()["data"]
@@ -189,6 +198,11 @@ def test_real_peer_passes_accept_and_reports_tok_s(tmp_path, no_leftovers, peer_
 
 def test_real_peer_with_scrambled_tensors_fails_coherence(tmp_path, no_leftovers, peer_python,
                                                           smollm2):
+    """The same server with noise for tensors fails the coherence checks.
+
+    Fast test of its seam, the answers this server gave, captured and judged:
+    tests/test_accept_checks.py::test_the_real_scrambled_model_answers_empty_and_fails
+    """
     noisy = scrambled_copy(smollm2, tmp_path / "scrambled.gguf")
     from gguf import GGUFReader
 

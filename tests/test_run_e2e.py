@@ -37,6 +37,8 @@ GGUF = "dsv4_layer{}_mxfp4.gguf"
 ALL = ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
        "serve", "accept"]
 WAIT_S = 60
+# the end-to-end pipelined runs are the long tier: each test names the fast tests of its seams
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
@@ -147,6 +149,14 @@ def shard_of(source: Path, layer: int) -> str:
 
 def test_convert_and_build_run_while_the_download_does(site: Site,
                                                       expected: dict[int, bytes]) -> None:
+    """`run` overlaps the build and the conversion with the real download from the hub.
+
+    Fast tests of its seams, the real download and convert stages paired, and the scheduler
+    starting the branches at once with instrumented stages:
+    tests/test_stream_pair.py::test_layers_convert_while_the_download_runs
+    tests/test_schedule.py::test_build_and_download_run_at_once
+    tests/test_schedule.py::test_convert_starts_with_download_and_follows_it
+    """
     site.behave(build="burn 0.5", serve="start 0.5")
     res = site.run("--json", "run")
     assert res.code == 0, res
@@ -187,6 +197,13 @@ def test_convert_and_build_run_while_the_download_does(site: Site,
 def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path,
                                                         expected: dict[int, bytes],
                                                         no_leftovers: str) -> None:
+    """SIGKILL of `run` mid-download; the rerun fetches and converts only what was missing.
+
+    Fast tests of its seams, the download and convert pair killed and rerun, and a killed
+    run resumed:
+    tests/test_stream_pair.py::test_sigkill_of_both_and_a_rerun_redo_nothing
+    tests/test_pipeline.py::test_killed_run_resumes_from_the_interrupted_stage
+    """
     site.behave(build="burn 0.5")
     proc = site.start("--json", "run")
     try:
@@ -238,6 +255,11 @@ def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path
 
 def test_a_corrupt_shard_stops_only_its_layer_and_the_rerun_fetches_just_it(
         site: Site, source: Path, expected: dict[int, bytes]) -> None:
+    """A corrupt shard stops its layer alone; the rerun fetches just that shard.
+
+    Fast test of its seam, the same with the download and convert pair:
+    tests/test_stream_pair.py::test_a_corrupt_shard_stops_only_its_layer_and_is_fetched_again
+    """
     bad = shard_of(source, 1)
     site.repos[0].corrupt_served.add(bad)
     site.behave(build="burn 0.5")
@@ -283,6 +305,11 @@ def test_a_corrupt_shard_stops_only_its_layer_and_the_rerun_fetches_just_it(
 
 def test_a_failing_build_leaves_download_and_conversion_to_finish(
         site: Site, expected: dict[int, bytes]) -> None:
+    """A failing build stops only its dependents; the download and conversion finish.
+
+    Fast test of its seam, with instrumented stages:
+    tests/test_schedule.py::test_a_failing_build_leaves_the_download_running
+    """
     site.behave(build="burn 0.3 fail")
     res = site.run("--json", "run")
     assert res.code == 1, res
@@ -302,6 +329,11 @@ def test_a_failing_build_leaves_download_and_conversion_to_finish(
 
 
 def test_serial_keeps_the_order(site: Site, expected: dict[int, bytes]) -> None:
+    """`run --serial` runs every stage in the registry's order, the conversion not following.
+
+    Fast test of its seam, with instrumented stages:
+    tests/test_pipeline.py::test_run_then_rerun_skips_everything
+    """
     site.behave(build="burn 0.2")
     res = site.run("--json", "run", "--serial")
     assert res.code == 0, res

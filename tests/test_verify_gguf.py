@@ -229,7 +229,13 @@ def test_deep_layers_are_evenly_spaced() -> None:
 
 @pytest.mark.slow  # hashes 3.4 GB (of a hole): ~10 s here
 def test_real_dims_are_checked_against_the_published_digests(tmp_path: Path) -> None:
-    """A real-size layer file (header + a hole) passes level 1 and fails the recipe's digest."""
+    """A real-size layer file (header + a hole) passes level 1 and fails the recipe's digest.
+
+    Fast tests of its seams, the recipe's digests chosen for the real dims and a digest
+    mismatch at level 2 on small files:
+    tests/test_verify_gguf.py::test_recipe_digests_apply_to_the_real_dims
+    tests/test_verify_gguf.py::test_level2_catches_a_single_flipped_bit
+    """
     recipe, _ = load_recipe_and_series(None)
     real = MoeDims(43, 256, 6, 4096, 2048)
     layout0 = LayerLayout.for_layer(0, real, recipe.conversion)

@@ -306,8 +306,9 @@ def _start_and_wait(ctx: StageContext, plan: ServePlan, log: Path, experts: int,
         exit_code = _detached_exit(ws.serve_record, pid)
         with sv.detached_guard(pid):
             outcome = _wait(ctx, plan, follower, exit_code)
-            if outcome.ready:
-                sv.await_record(ws.serve_record, pid)
+            # ready or not: the server can print (a fatal line, readiness) before its
+            # supervisor records it, and a stop that finds no record would leave it running
+            sv.await_record(ws.serve_record, pid)
         return outcome, None
     server = sv.ServerProcess(plan.argv, plan.env, log, on_line=ctx.progress.message,
                               api_key_file=plan.api_key_file)
