@@ -279,9 +279,9 @@ def test_status_says_whose_records_it_shows(tmp_path: Path) -> None:
 def test_readme_command_1_from_a_fresh_venv(tmp_path: Path) -> None:
     """README command 1 as written, in a new venv (the package and its dependencies from
     the registry, as a new user gets them), on the small-disk host fixture: doctor's table
-    first, with every failing row, then the refusal. The fast tier's seam: this file's
-    test_readme_command_1_shows_doctors_table_with_every_failing_row runs the same console
-    script from the test venv."""
+    first, with every failing row, then the refusal. The fast tier's seam:
+    tests/test_first_hour.py::test_readme_command_1_shows_doctors_table_with_every_failing_row
+    runs the same console script from the test venv."""
     import shutil
     import socket
 

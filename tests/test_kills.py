@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import TESTS, run_cli
@@ -35,6 +36,15 @@ KILLPOINT = TESTS / "killpoint.py"
 
 
 TAG = "DSV4_TEST_KILL_MATRIX"  # in the environment of the killed run and all it starts
+
+
+def tiered(points: list[Any]) -> list[Any]:
+    """The first point of a stage in the default tier, the others in the long one (`slow`):
+    each stage's kill, rerun and leftover checks keep a fast proof; the matrix runs whole
+    in .ci/run."""
+    first, *rest = points
+    return [first, *(pytest.param(*(p if isinstance(p, tuple) else (p,)),
+                                  marks=pytest.mark.slow) for p in rest)]
 
 
 @pytest.fixture(autouse=True)
@@ -120,7 +130,7 @@ CONVERT_POINTS = [("replace:.gguf:1:KILL", 1), ("replace:.gguf:2:KILL", 2),
                   ("replace:.gguf:1:TERM", None)]
 
 
-@pytest.mark.parametrize(("spec", "kept"), CONVERT_POINTS)
+@pytest.mark.parametrize(("spec", "kept"), tiered(CONVERT_POINTS))
 def test_convert_killed_after_a_rename_keeps_the_layer(tmp_path: Path, source: Path,
                                                        reference: dict[str, str], spec: str,
                                                        kept: int | None) -> None:
@@ -176,7 +186,7 @@ FOLLOW_POINTS = [("replace:.gguf:1:KILL", 1), ("replace:.gguf:2:KILL", 1),
                  ("after:layer.verified:1:KILL", 2), ("after:layer.started:2:TERM", 2)]
 
 
-@pytest.mark.parametrize(("spec", "jobs"), FOLLOW_POINTS)
+@pytest.mark.parametrize(("spec", "jobs"), tiered(FOLLOW_POINTS))
 def test_convert_follow_killed_anywhere_redoes_no_complete_layer(
         tmp_path: Path, source: Path, reference: dict[str, str], spec: str, jobs: int) -> None:
     ws = tmp_path / "ws"
@@ -212,7 +222,7 @@ def _weights(ws: Path, sets: list[str]) -> Path:
     return Workspace(ws).weights_dir(recipe, "mxfp4")
 
 
-@pytest.mark.parametrize("spec", DOWNLOAD_POINTS)
+@pytest.mark.parametrize("spec", tiered(DOWNLOAD_POINTS))
 def test_download_killed_anywhere_fetches_no_verified_file_again(tmp_path: Path, source: Path,
                                                                  spec: str) -> None:
     ws = tmp_path / "ws"
@@ -258,7 +268,7 @@ def _manifest(gguf: Path) -> dict[str, str]:
             (line.split(maxsplit=1) for line in path.read_text().splitlines() if line.strip())}
 
 
-@pytest.mark.parametrize("spec", VERIFY_POINTS)
+@pytest.mark.parametrize("spec", tiered(VERIFY_POINTS))
 def test_verify_gguf_killed_anywhere_is_not_taken_as_done(tmp_path: Path, source: Path,
                                                           reference: dict[str, str],
                                                           spec: str) -> None:
@@ -320,13 +330,13 @@ def _build_site(tmp_path: Path) -> tuple[Path, list[str]]:
     return tree, ["-r", str(recipe), "-w", str(ws)]
 
 
-BUILD_POINTS = [("after:step.started:1:KILL", ""), ("before:step.done:1:KILL", ""),
+BUILD_POINTS = [("after:no-such-event:1:KILL", "beta"),  # beta's command kills the build
+                ("after:step.started:1:KILL", ""), ("before:step.done:1:KILL", ""),
                 ("after:step.done:2:KILL", ""), ("after:step.started:2:TERM", ""),
-                ("after:stage.started:1:KILL", ""),
-                ("after:no-such-event:1:KILL", "beta")]  # beta's command kills the build
+                ("after:stage.started:1:KILL", "")]
 
 
-@pytest.mark.parametrize(("spec", "inside"), BUILD_POINTS)
+@pytest.mark.parametrize(("spec", "inside"), tiered(BUILD_POINTS))
 def test_build_killed_anywhere_is_not_taken_as_built(tmp_path: Path, spec: str,
                                                      inside: str) -> None:
     """Killed between its steps, or (``inside``) while a step's command runs: the record is
@@ -363,7 +373,7 @@ SERVE_POINTS = ["after:stage.started:1:KILL", "before:stage.done:1:KILL",
                 "after:stage.started:1:TERM", "before:stage.done:1:TERM"]
 
 
-@pytest.mark.parametrize("spec", SERVE_POINTS)
+@pytest.mark.parametrize("spec", tiered(SERVE_POINTS))
 def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agree_on(
         tmp_path: Path, no_leftovers: str, spec: str) -> None:
     ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
@@ -392,11 +402,14 @@ def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agr
     assert after.code == 1, after
 
 
+@pytest.mark.slow
 def test_serve_detach_killed_while_its_server_loads_leaves_nothing_that_status_hides(
         tmp_path: Path, no_leftovers: str) -> None:
     """The stage process killed while the server loads (its record names the server, not yet
     ready): the supervisor takes the server down with it, and `status`, `serve status` and
-    `serve stop` all say nothing runs; the rerun starts one server."""
+    `serve stop` all say nothing runs; the rerun starts one server. The fast tier's seam:
+    tests/test_kills.py::test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agree_on
+    (its first point)."""
     ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good",
                                           "--start-delay", "4")
     proc = subprocess.Popen([sys.executable, "-m", "dsv4_offload", *base, "serve", "--detach"],
@@ -446,7 +459,7 @@ def _records(ws: Path) -> dict[str, tuple[str, str]]:
             for name, r in state.get("stages", {}).items()}
 
 
-@pytest.mark.parametrize("spec", RUN_POINTS)
+@pytest.mark.parametrize("spec", tiered(RUN_POINTS))
 def test_run_killed_anywhere_redoes_no_done_stage(tmp_path: Path, fake_stages_env: dict[str, str],
                                                  spec: str) -> None:
     from conftest import SMALL_RECIPE

@@ -115,6 +115,11 @@ KT_BUILT = os.environ.get("KT_KERNEL_PYTHON_DIR")
 @pytest.mark.skipif(not KT_BUILT, reason="KT_KERNEL_PYTHON_DIR names no real x86 kt-kernel "
                     "build (kt-kernel/python with kt_kernel_ext*.so)")
 def test_the_real_x86_kernel_reads_the_full_size_layer(tmp_path: Path) -> None:
+    """`selftest --bench` through the real kernel of an x86 build (KT_KERNEL_PYTHON_DIR).
+    The fast tier's seam, the bench's child, its timing and the figures through the CLI,
+    is tests/test_selftest_bench.py::test_the_bench_times_decode_forwards_and_caches_the_figure
+    and tests/test_selftest_bench.py::test_the_cli_prints_the_figures_beside_the_bandwidth
+    (the kernel stand-in)."""
     ws = tmp_path / "ws"
     recipe, series = load_recipe_and_series(RECIPE, [])
     ctx = StageContext(recipe=recipe, series=series, workspace=Workspace(ws), options={},

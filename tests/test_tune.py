@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from conftest import run_cli
 from serve_helpers import leftovers
 from standin_server import model_rate
@@ -35,8 +36,15 @@ def _started(events: list[dict]) -> list[dict]:
     return [e["setting"] for e in events if e["event"] == "trial.started"]
 
 
+@pytest.mark.slow
 def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
         tmp_path, no_leftovers):
+    """The search finds the model's optimum within its budget; show, apply and the overlay's
+    origin in `serve --print`. The fast tier's seam (the trial loop through the real serve
+    and accept stages, the study, the events):
+    tests/test_tune.py::test_tune_discards_a_setting_whose_answers_degenerate; the space and
+    its rules:
+    tests/test_tune.py::test_the_space_holds_the_recipes_own_setting_and_the_rules_prune."""
     root, words, env = _tune_words(
         tmp_path, no_leftovers, sets=("tune.experts=[16, 24, 32]", "tune.cpuinfer=[64, 96, 128]"))
     res = run_cli(*words, "--json", "tune", "--budget", "12", "--knob", "experts",
@@ -73,7 +81,11 @@ def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
     assert "KT_HOT_TAIL_TOKENS=64  [tune overlay (" in printed.out
 
 
+@pytest.mark.slow
 def test_tune_never_starts_a_setting_the_hbm_rule_forbids(tmp_path, no_leftovers):
+    """The HBM rule through a whole tune. The fast tier's seam, the same rule function
+    on the same fixture host:
+    tests/test_tune.py::test_the_space_holds_the_recipes_own_setting_and_the_rules_prune."""
     # 40 resident experts are above this recipe's measured ceiling of 32
     root, words, env = _tune_words(
         tmp_path, no_leftovers,
@@ -107,7 +119,12 @@ def test_tune_discards_a_setting_whose_answers_degenerate(tmp_path, no_leftovers
     assert events[-1]["best"]["setting"]["hot_tail"] == 0
 
 
+@pytest.mark.slow
 def test_a_killed_tune_resumes_without_repeating_a_recorded_trial(tmp_path, no_leftovers):
+    """SIGKILL in the third trial, then resume. The fast tier's seam (the study read back
+    from its SQLite file and a setting answered from its record):
+    tests/test_tune.py::test_tune_discards_a_setting_whose_answers_degenerate; the kill
+    itself runs in the long tier only."""
     root, words, env = _tune_words(
         tmp_path, no_leftovers, sets=("tune.experts=[16, 24, 32]", "tune.hot_tail_tokens=[0, 64]"))
     argv = [sys.executable, "-m", "dsv4_offload", *words, "--json", "tune", "--budget", "4",
@@ -192,7 +209,11 @@ def test_tune_discards_a_setting_whose_swa_pool_cannot_take_the_longest_bucket(
     assert events[-1]["stopped_by"] == "every allowed setting measured"
 
 
+@pytest.mark.slow
 def test_tune_never_starts_a_pool_count_the_hosts_dram_cannot_hold(tmp_path, no_leftovers):
+    """The DRAM rule through a whole tune. The fast tier's seam, the same rule function on
+    the same fixture host:
+    tests/test_tune.py::test_the_space_holds_the_recipes_own_setting_and_the_rules_prune."""
     # 1356 GiB available: one pool needs the GGUF set once plus the margin, several twice
     _root, words, env = _tune_words(tmp_path, no_leftovers,
                                     sets=("host.memory_margin_gib=1100",))
@@ -208,3 +229,30 @@ def test_tune_never_starts_a_pool_count_the_hosts_dram_cannot_hold(tmp_path, no_
                and "the plan needs GGUF set" in e["reason"] for e in pruned)
     assert _started(events) == [{"threadpools": 1}]
     assert events[-1]["stopped_by"] == "every allowed setting measured"
+
+
+def test_the_space_holds_the_recipes_own_setting_and_the_rules_prune() -> None:
+    """The knobs hold the recipe's current values, and the serve rules forbid what the
+    long tier's whole tunes never start: experts above the measured HBM ceiling, pools the
+    DRAM cannot hold; the reason is the rule's own words."""
+    from dsv4_offload.core.host import probe_host
+    from dsv4_offload.pipeline import tunespace
+    from dsv4_offload.recipe import load_recipe_and_series
+
+    root = Path(__file__).parent / "fixtures" / "hosts" / "kunpeng920-910b"
+    facts = probe_host(Path("/nonexistent-ws"), root=root,
+                       npu_smi=["cat", str(root / "npu-smi-info.txt")])
+    recipe, _ = load_recipe_and_series("dsv4-flash-910b", [
+        "serve.kt_num_gpu_experts_max=32", "tune.experts=[16, 24, 40]"])
+    space = {k.name: k for k in tunespace.knobs(recipe, facts)}
+    assert space["experts"].choices == (16, 24, 32, 40)  # the recipe's 32 among them
+    assert space["threadpools"].current == 8  # one pool per NUMA node of the fixture
+    assert tunespace.forbidden(recipe, facts, {"experts": 24}) is None
+    said = tunespace.forbidden(recipe, facts, {"experts": 40})
+    assert said is not None and said.startswith("experts 40: ")
+    assert "above the measured ceiling of 32 resident experts" in said
+    tight, _ = load_recipe_and_series("dsv4-flash-910b", ["host.memory_margin_gib=1100"])
+    pools = tunespace.forbidden(tight, facts, {"threadpools": 8})
+    assert pools is not None and pools.startswith("threadpools 8: DRAM: ")
+    assert "the plan needs GGUF set" in pools
+    assert tunespace.forbidden(tight, facts, {"threadpools": 1}) is None
