@@ -97,16 +97,38 @@ def _judged(args: list[str], where: str, cwd: Path) -> str | None:
     return None if expected else said
 
 
-@pytest.mark.parametrize("where", ["other user's 0700 workspace", "path through a file"])
-def test_every_command_says_the_workspace_is_not_readable_in_one_line(
-        places: dict[str, Path], where: str) -> None:
+def _sweep(places: dict[str, Path], where: str, commands: list[str]) -> list[str]:
+    """What is wrong with each command's answer, --json and not, over ``where``."""
     ws = places[where]
     runs = [["-w", str(ws), *(["--json"] if as_json else []), *command.split()]
-            for command in leaf_commands() for as_json in (True, False)]
+            for command in commands for as_json in (True, False)]
     # each command is its own process, mostly interpreter start-up: a few at a time
     with ThreadPoolExecutor(max_workers=4) as pool:
         answers = list(pool.map(lambda args: _judged(args, where, places["cwd"]), runs))
-    wrong = [said for said in answers if said is not None]
+    return [said for said in answers if said is not None]
+
+
+WHERE = ["other user's 0700 workspace", "path through a file"]
+# one command of each kind of entry: the pipeline's, a stage's, an area's, the report's
+SAMPLE = ["status", "run", "convert", "serve status", "patch status", "report"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("where", WHERE)
+def test_every_command_says_the_workspace_is_not_readable_in_one_line(
+        places: dict[str, Path], where: str) -> None:
+    """Every command of the CLI. The fast tier's seam (the same check at the CLI's edge,
+    one command of each kind, as another user):
+    tests/test_access.py::test_each_kind_of_command_says_the_workspace_is_not_readable."""
+    wrong = _sweep(places, where, leaf_commands())
+    assert not wrong, "\n".join(wrong)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_each_kind_of_command_says_the_workspace_is_not_readable(
+        places: dict[str, Path], where: str) -> None:
+    assert set(SAMPLE) <= set(leaf_commands())
+    wrong = _sweep(places, where, SAMPLE)
     assert not wrong, "\n".join(wrong)
 
 
