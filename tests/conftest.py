@@ -1,11 +1,14 @@
-"""Shared fixtures: running the real console script, and fresh workspaces."""
+"""Shared fixtures: running the CLI (as a process, or in this one), and fresh workspaces."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
+import tempfile
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +48,87 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
     return CliResult(proc)
 
 
+def run_cli_inproc(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+                   timeout: float = 120) -> CliResult:
+    """Run the CLI's entry point (`dsv4_offload.cli.main`) in this process, as `run_cli` would
+    run the console script: ``env`` applied to os.environ, ``cwd`` entered, stdin empty, the
+    output of file descriptors 1 and 2 captured (children the command starts write there too)
+    and all of it restored afterwards; SystemExit gives the exit code, an escaped exception a
+    traceback on stderr and code 1, as a process would.
+
+    Not covered: anything that is the process's own (signals sent to it, its lifetime, detach,
+    what another process sees of it, the console script's start-up) and ``timeout``; `run_cli`
+    stays for those. What a call leaves in this process is forgotten between calls
+    (`forget_call_state`); stage child processes the command starts are real processes.
+    """
+    from dsv4_offload.cli.app import forget_call_state, main
+
+    saved_env = dict(os.environ)
+    saved_cwd = os.getcwd()
+    saved_streams = (sys.stdin, sys.stdout, sys.stderr)
+    for stream in saved_streams[1:]:
+        stream.flush()
+    saved_fds = (os.dup(0), os.dup(1), os.dup(2))
+    code: int = 0
+    with tempfile.TemporaryFile() as out_file, tempfile.TemporaryFile() as err_file, \
+            open(os.devnull, "rb") as null:
+        try:
+            os.dup2(null.fileno(), 0)
+            os.dup2(out_file.fileno(), 1)
+            os.dup2(err_file.fileno(), 2)
+            sys.stdin = open(0, encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", buffering=1, encoding="utf-8",  # noqa: SIM115
+                              closefd=False)
+            os.environ.pop("DSV4_WORKSPACE", None)
+            os.environ.update(env or {})
+            if cwd is not None:
+                os.chdir(cwd)
+            forget_call_state()
+            try:
+                main(list(args))
+            except SystemExit as exc:
+                code = _exit_code(exc)
+            except BaseException:  # what a process prints, then exits 1
+                traceback.print_exc()
+                code = 1
+        finally:
+            for stream in (sys.stdin, sys.stdout, sys.stderr):
+                if stream not in saved_streams:
+                    stream.close()  # flushes the two outputs into the files
+            for fd, saved in enumerate(saved_fds):
+                os.dup2(saved, fd)
+                os.close(saved)
+            sys.stdin, sys.stdout, sys.stderr = saved_streams
+            os.chdir(saved_cwd)
+            os.environ.clear()
+            os.environ.update(saved_env)
+            forget_call_state()
+        out = _read_back(out_file)
+        err = _read_back(err_file)
+    return CliResult(subprocess.CompletedProcess(["dsv4-offload", *args], code, out, err))
+
+
+def _exit_code(exc: SystemExit) -> int:
+    """The code a process exiting with ``exc`` would have (a message goes to stderr: 1)."""
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    sys.stderr.write(f"{exc.code}\n")
+    return 1
+
+
+def _read_back(file: Any) -> str:
+    file.seek(0)
+    return io.TextIOWrapper(file, encoding="utf-8", errors="replace").read()
+
+
 @pytest.fixture
-def cli():  # type: ignore[no-untyped-def]
-    return run_cli
+def cli(request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    """`run_cli`, or `run_cli_inproc` for a module that says ``CLI_IN_PROCESS = True`` (its
+    tests are about the commands' behaviour, not the process)."""
+    return run_cli_inproc if getattr(request.module, "CLI_IN_PROCESS", False) else run_cli
 
 
 @pytest.fixture

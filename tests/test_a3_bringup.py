@@ -54,6 +54,9 @@ if "--version" in sys.argv:
 # that site dir on its path
 FAKE_PYTHON = f"""#!{sys.executable}
 import json, os, sys
+
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
 SITE = os.environ["FAKE_SITE"]
 
 def dist(name, version):

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE
+from conftest import run_cli_inproc as run_cli  # the command in process: not the process
 from serve_helpers import (
     STANDIN,
     context,

@@ -15,6 +15,9 @@ import typer.main
 from dsv4_offload.cli.app import app, main
 from dsv4_offload.cli.argv import GlobalOptionsGroup, global_option_names, hoist_globals
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 
 def _commands(group: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
     """Every runnable command of the app: leaves, and groups that run without a subcommand."""

@@ -6,6 +6,9 @@ from pathlib import Path
 
 import pytest
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 VAR = "_DSV4_OFFLOAD_COMPLETE"  # click: f"_{prog_name}_COMPLETE", '-' -> '_', upper case
 
 

@@ -17,6 +17,9 @@ from pathlib import Path
 import pytest
 
 TESTS = Path(__file__).parent
+# the top command in this process (conftest.run_cli_inproc): what `docker` and the stages it
+# execs do are real processes either way
+CLI_IN_PROCESS = True
 FIXTURE = TESTS / "fixtures" / "hosts" / "kunpeng920-910b"
 IMAGE = "lmsysorg/sglang:deepseek-v4-npu-910b"  # launch script line 21
 NAME = "dsv4_singlecard"  # line 22

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, run_cli
+from conftest import CLI, run_cli_inproc
 from standin_hub import StandinHub, tiny_model_repo
 
 MXFP4_REPO = "deepseek-ai/DeepSeek-V4-Flash"
@@ -30,9 +30,9 @@ def env(tmp_path: Path) -> dict[str, str]:
 def test_download_json_then_status_shows_done(tmp_path: Path, env: dict[str, str]) -> None:
     ws = str(tmp_path / "ws")
     with StandinHub([tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO)]) as hub:
-        res = run_cli("--workspace", ws, *SIZES, "--json", "download",
-                      "--endpoint", f"huggingface={hub.url}",
-                      "--endpoint", f"modelscope={hub.url}", env=env)
+        res = run_cli_inproc("--workspace", ws, *SIZES, "--json", "download",
+                             "--endpoint", f"huggingface={hub.url}",
+                             "--endpoint", f"modelscope={hub.url}", env=env)
         assert res.code == 0, res
         doc = res.json()
         assert doc["schema"] == 1 and doc["command"] == "download"
@@ -41,13 +41,13 @@ def test_download_json_then_status_shows_done(tmp_path: Path, env: dict[str, str
         assert outputs["mxfp4"]["resolved"] == hub.repos[MXFP4_REPO].commit
         assert outputs["w8a8"]["files"] == 4
         hub.requests.clear()
-        again = run_cli("--workspace", ws, *SIZES, "--json", "download", "mxfp4",
-                        "--endpoint", hub.url, env=env)
+        again = run_cli_inproc("--workspace", ws, *SIZES, "--json", "download", "mxfp4",
+                               "--endpoint", hub.url, env=env)
         assert again.code == 0, again
         assert hub.data_requests() == []
-    offline = run_cli("--workspace", ws, *SIZES, "--json", "download", "--offline", env=env)
+    offline = run_cli_inproc("--workspace", ws, *SIZES, "--json", "download", "--offline", env=env)
     assert offline.code == 0, offline
-    status = run_cli("--workspace", ws, *SIZES, "--json", "status", env=env)
+    status = run_cli_inproc("--workspace", ws, *SIZES, "--json", "status", env=env)
     stages = {s["name"]: s for s in status.json()["data"]["stages"]}
     assert stages["download"]["state"] == "done"
 
@@ -57,7 +57,7 @@ def test_unreachable_hub_exits_1_with_one_line(tmp_path: Path, env: dict[str, st
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(env, HF_ENDPOINT=f"http://127.0.0.1:{port}")
-    res = run_cli("--workspace", str(tmp_path / "ws"), "download", "mxfp4", env=env)
+    res = run_cli_inproc("--workspace", str(tmp_path / "ws"), "download", "mxfp4", env=env)
     assert res.code == 1, res
     lines = [x for x in res.err.splitlines() if x.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: cannot list"), res
@@ -66,10 +66,12 @@ def test_unreachable_hub_exits_1_with_one_line(tmp_path: Path, env: dict[str, st
 
 def test_bad_arguments_exit_2(tmp_path: Path, env: dict[str, str]) -> None:
     ws = str(tmp_path / "ws")
-    assert run_cli("--workspace", ws, "download", "fp8", env=env).code == 2
-    bad = run_cli("--workspace", ws, "download", "--endpoint", "a", "--endpoint", "b", env=env)
+    assert run_cli_inproc("--workspace", ws, "download", "fp8", env=env).code == 2
+    bad = run_cli_inproc("--workspace", ws, "download", "--endpoint", "a", "--endpoint", "b",
+                         env=env)
     assert bad.code == 2 and "HUB=URL" in bad.err
-    both = run_cli("--workspace", ws, "download", "--endpoint", "http://127.0.0.1:9", env=env)
+    both = run_cli_inproc("--workspace", ws, "download", "--endpoint", "http://127.0.0.1:9",
+                          env=env)
     assert both.code == 2 and "name the set" in both.err
 
 
@@ -103,8 +105,8 @@ def test_ctrl_c_mid_file_then_rerun_resumes(tmp_path: Path, env: dict[str, str])
 
         hub.throttle = None
         hub.requests.clear()
-        again = run_cli("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
-                        env=env)
+        again = run_cli_inproc("--workspace", str(ws), "download", "w8a8", "--endpoint", hub.url,
+                               env=env)
         assert again.code == 0, again
         assert target.read_bytes() == repo.files[big]
         ranges = [r.range for r in hub.data_requests() if big in r.path]
@@ -119,15 +121,15 @@ def test_status_says_when_a_branch_moved_past_the_lock(tmp_path: Path,
     repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
     with StandinHub(repos) as hub:
         hubs = ["--endpoint", f"huggingface={hub.url}", "--endpoint", f"modelscope={hub.url}"]
-        assert run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env).code == 0
-        quiet = run_cli("--workspace", ws, *SIZES, "--json", "status", env=env)
+        assert run_cli_inproc("--workspace", ws, *SIZES, "download", *hubs, env=env).code == 0
+        quiet = run_cli_inproc("--workspace", ws, *SIZES, "--json", "status", env=env)
         assert quiet.json()["data"]["weights_moved"] == []
         hub.repos[W8A8_REPO].move_to("b" * 40, dict(hub.repos[W8A8_REPO].files),
                                      dt.datetime(2026, 10, 1, tzinfo=dt.timezone.utc))
-        again = run_cli("--workspace", ws, *SIZES, "download", *hubs, env=env)
+        again = run_cli_inproc("--workspace", ws, *SIZES, "download", *hubs, env=env)
         assert again.code == 0, again  # the date rule holds: nothing to fetch
         hub.stop()  # status asks no hub
-        status = run_cli("--workspace", ws, *SIZES, "status", env=env)
+        status = run_cli_inproc("--workspace", ws, *SIZES, "status", env=env)
     assert status.code == 0, status
     line = next(x for x in status.out.splitlines() if x.startswith("weights:"))
     assert f"w8a8: {W8A8_REPO}@master has moved past the lock: its head was {'b' * 40} " \
@@ -143,7 +145,7 @@ def test_status_asks_the_hubs_again_when_the_cached_heads_are_old(tmp_path: Path
     repos = [tiny_model_repo(MXFP4_REPO), tiny_model_repo(W8A8_REPO, commit="a" * 40)]
     with StandinHub(repos) as hub:
         env = dict(env, HF_ENDPOINT=hub.url, MODELSCOPE_ENDPOINT=hub.url)
-        assert run_cli("--workspace", str(ws), *SIZES, "download", env=env).code == 0
+        assert run_cli_inproc("--workspace", str(ws), *SIZES, "download", env=env).code == 0
         lock_file = ws / "weights.lock.json"
         doc = json.loads(lock_file.read_text())
         for entry in doc.values():  # seen a day ago
@@ -151,20 +153,20 @@ def test_status_asks_the_hubs_again_when_the_cached_heads_are_old(tmp_path: Path
         lock_file.write_text(json.dumps(doc))
         hub.repos[MXFP4_REPO].move_to("2" * 40, dict(hub.repos[MXFP4_REPO].files),
                                       dt.datetime(2026, 11, 1, tzinfo=dt.timezone.utc))
-        status = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+        status = run_cli_inproc("--workspace", str(ws), *SIZES, "--json", "status", env=env)
         assert status.code == 0, status
         (moved,) = status.json()["data"]["weights_moved"]
         assert moved.startswith(f"mxfp4: {MXFP4_REPO}@main has moved past the lock: its head "
                                 f"was {'2' * 40} (2026-11-01T00:00:00Z) when seen 2026-12-")
         hub.requests.clear()
-        again = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+        again = run_cli_inproc("--workspace", str(ws), *SIZES, "--json", "status", env=env)
         assert again.json()["data"]["weights_moved"] == [moved]
         assert hub.requests == []  # cached: the heads were asked a moment ago
         for entry in doc.values():
             entry["head"]["seen"] = "2026-12-01T00:00:00+00:00"
         lock_file.write_text(json.dumps(doc))
     # old heads and a hub that cannot be reached: said, and status still exits 0
-    gone = run_cli("--workspace", str(ws), *SIZES, "--json", "status", env=env)
+    gone = run_cli_inproc("--workspace", str(ws), *SIZES, "--json", "status", env=env)
     assert gone.code == 0, gone
     lines = gone.json()["data"]["weights_moved"]
     assert any(x.startswith("mxfp4: could not ask huggingface where main points now")

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, SMALL_RECIPE, run_cli
+from conftest import CLI, SMALL_RECIPE, run_cli_inproc
 
 ALL = ["doctor", "fetch", "patch", "build", "selftest", "download", "convert", "verify-gguf",
        "serve", "accept"]
@@ -28,8 +28,10 @@ HOST = ["-r", str(SMALL_RECIPE)]
 
 @pytest.fixture
 def cli():  # type: ignore[no-untyped-def]
+    # the commands in this process; a killed or a background run is a real process
+    # (start_background), and the stages a run starts are real processes either way
     def run(*args: str, **kwargs):  # type: ignore[no-untyped-def]
-        return run_cli(*HOST, *args, **kwargs)
+        return run_cli_inproc(*HOST, *args, **kwargs)
 
     return run
 

@@ -15,6 +15,9 @@ from dsv4_offload.recipe import (
     load_recipe_and_series,
 )
 
+# the commands' answers, not the process: the CLI runs in this process (conftest.run_cli_inproc)
+CLI_IN_PROCESS = True
+
 RECIPE_910B = (BUNDLED_RECIPES / "dsv4-flash-910b.yaml").read_text()
 SERIES = (BUNDLED_SERIES / "dsv4-flash.yaml").read_text()
 

@@ -15,6 +15,9 @@ from dsv4_offload.recipe import (
     load_recipe_and_series,
 )
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 
 def overlay(tmp_path: Path, text: str, name: str = "overlay.yaml") -> Path:
     path = tmp_path / name

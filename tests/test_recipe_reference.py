@@ -7,6 +7,9 @@ from conftest import REPO
 from dsv4_offload import recipe as R
 from dsv4_offload.recipe.reference import REGENERATE, reference_markdown
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 
 def test_committed_reference_is_up_to_date() -> None:
     committed = (REPO / "docs" / "recipe-reference.md").read_text(encoding="utf-8")

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import CLI, SMALL_RECIPE, CliResult, run_cli
+from conftest import CLI, SMALL_RECIPE, CliResult, run_cli_inproc
 from serve_helpers import leftovers
 
 from dsv4_offload.core import procs
@@ -63,7 +63,8 @@ GIB = 1024**3
 
 
 def _cli(ws: Path, env: dict[str, str], *args: str) -> CliResult:
-    return run_cli(*HOST, "-w", str(ws), *args, env=env)
+    # the top command in this process; the stages it schedules are real processes
+    return run_cli_inproc(*HOST, "-w", str(ws), *args, env=env)
 
 
 def _behave(ws: Path, **what: str) -> None:
@@ -290,8 +291,8 @@ def test_status_shows_what_is_in_flight(tmp_path: Path, fake_stages_env,
         assert row["state"] == "running" and row["pid"] != proc.pid, row
         assert row["reason"] == (f"running (pid {row['pid']}); convert: 2/43 layers "
                                  "converted, 1 verified"), row
-        text = run_cli(*HOST, "-w", str(ws), "status", env={**fake_stages_env,
-                                                           "COLUMNS": "200"}).out
+        text = run_cli_inproc(*HOST, "-w", str(ws), "status",
+                              env={**fake_stages_env, "COLUMNS": "200"}).out
         assert "2/43 layers converted" in text
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=WAIT_S)

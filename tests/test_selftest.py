@@ -23,6 +23,9 @@ from dsv4_offload.stages import selftest
 from dsv4_offload.workspace.context import StageContext
 from dsv4_offload.workspace.store import Workspace
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 RECIPE = "dsv4-flash-x86-dev"
 STANDIN = Path(__file__).parent / "standin_kt_kernel_ext.py"
 # small and quick: the stand-in computes the MoE in a python loop

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 import requests
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE, run_cli, run_cli_inproc
 from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
 
 from dsv4_offload.workspace.store import Workspace
@@ -41,8 +41,8 @@ def standin_on_host(tmp_path: Path, tag: str, *args: str
 
 def test_serve_print_on_the_kunpeng_host_shows_the_launch_line(tmp_path):
     ws = make_workspace(tmp_path / "ws")
-    res = run_cli("--workspace", str(ws.root), "--json", "serve", "--print",
-                  env=host_env("kunpeng920-910b"))
+    res = run_cli_inproc("--workspace", str(ws.root), "--json", "serve", "--print",
+                         env=host_env("kunpeng920-910b"))
     assert res.code == 0, res
     doc = res.json()
     assert doc["schema"] == 1 and doc["command"] == "serve" and doc["status"] == "ok"
@@ -53,8 +53,8 @@ def test_serve_print_on_the_kunpeng_host_shows_the_launch_line(tmp_path):
     assert doc["data"]["env_set"]["KT_NSA_COMPRESSOR_MODE"] == "split"
     # no CANN on this machine: shown as a note, the rest of the plan still printed
     assert any("CANN set_env script not found" in n for n in doc["data"]["notes"])
-    human = run_cli("--workspace", str(ws.root), "serve", "--print", "--longest-prompt", "9000",
-                    env=host_env("kunpeng920-910b"))
+    human = run_cli_inproc("--workspace", str(ws.root), "serve", "--print", "--longest-prompt",
+                           "9000", env=host_env("kunpeng920-910b"))
     assert human.code == 0, human
     assert "--chunked-prefill-size 9088" in human.out
     assert "'--kt-weight-path'" not in human.out and "{layer_idx}" in human.out
@@ -62,8 +62,8 @@ def test_serve_print_on_the_kunpeng_host_shows_the_launch_line(tmp_path):
 
 def test_serve_print_with_a_bad_device_is_one_line(tmp_path):
     ws = make_workspace(tmp_path / "ws")
-    res = run_cli("--workspace", str(ws.root), "serve", "--print", "--device", "42",
-                  env=host_env("kunpeng920-910b"))
+    res = run_cli_inproc("--workspace", str(ws.root), "serve", "--print", "--device", "42",
+                         env=host_env("kunpeng920-910b"))
     assert res.code == 2
     assert res.err.strip().startswith("error: --device 42: npu-smi lists devices")
     assert "Traceback" not in res.err
@@ -72,13 +72,15 @@ def test_serve_print_with_a_bad_device_is_one_line(tmp_path):
 def test_serve_without_npu_or_cann_says_what_to_do(tmp_path):
     ws = make_workspace(tmp_path / "ws")
     # the serve stage on this host (HOST_RECIPE): what it says without an NPU or CANN
-    res = run_cli("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "serve",
-                  env=host_env("x86-no-npu"))
+    res = run_cli_inproc("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "serve",
+                         env=host_env("x86-no-npu"))
     assert res.code != 0
     assert "CANN" in res.err and "Traceback" not in res.err
 
 
 def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
+    # run_cli, not in process: the point is a detached server outliving the CLI process
+    # that started it, and `serve stop` from another process proving it ours
     ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
     started = run_cli(*base, "serve", "--detach", env=env)
     assert started.code == 0, started
@@ -107,8 +109,8 @@ def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
 
 def test_accept_against_a_dead_url_fails_with_a_fix(tmp_path):
     ws = make_workspace(tmp_path / "ws")
-    res = run_cli("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "--json", "accept", "--url",
-                  f"http://127.0.0.1:{free_port()}", "--api", "openai")
+    res = run_cli_inproc("--workspace", str(ws.root), "-r", str(HOST_RECIPE), "--json", "accept",
+                         "--url", f"http://127.0.0.1:{free_port()}", "--api", "openai")
     assert res.code == 1
     doc = res.json()
     assert doc["status"] == "failed"
@@ -214,6 +216,6 @@ def test_logs_shows_the_last_n_lines_and_none_for_zero(tmp_path):
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text("one\ntwo\nthree\n")
     base = ("--workspace", str(ws.root), "serve", "logs")
-    assert run_cli(*base, "-n", "2").out.splitlines() == ["two", "three"]
-    assert run_cli(*base, "-n", "5").out.splitlines() == ["one", "two", "three"]
-    assert run_cli(*base, "-n", "0").out == ""
+    assert run_cli_inproc(*base, "-n", "2").out.splitlines() == ["two", "three"]
+    assert run_cli_inproc(*base, "-n", "5").out.splitlines() == ["one", "two", "three"]
+    assert run_cli_inproc(*base, "-n", "0").out == ""

@@ -11,6 +11,9 @@ from conftest import SMALL_RECIPE
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.recipe import load_recipe
 
+# the commands in this process (conftest.run_cli_inproc): what they answer is the point
+CLI_IN_PROCESS = True
+
 SGLANG_OTHER = "1" * 40
 
 

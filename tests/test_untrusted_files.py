@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE, run_cli_inproc
 from fuzz_headers import DIMS, LAYOUT, cases, run_reader, valid_gguf, valid_safetensors
 
 from dsv4_offload.core.errors import InputError
@@ -116,13 +116,14 @@ i: &i [*h, *h, *h, *h, *h, *h, *h, *h, *h, *h]
 def test_a_yaml_alias_bomb_is_refused_in_a_recipe_and_a_probes_file(tmp_path: Path) -> None:
     recipe = tmp_path / "bomb.yaml"
     recipe.write_text(BOMB)
-    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(recipe), "status",
-                  timeout=30)
+    res = run_cli_inproc("--workspace", str(tmp_path / "ws"), "--recipe", str(recipe), "status",
+                         timeout=30)
     assert res.code == 2, res
     assert "expands to over" in res.err and str(recipe) in res.err
     assert "Traceback" not in res.err
-    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "accept",
-                  "--probes", str(recipe), "--url", "http://127.0.0.1:9", timeout=30)
+    res = run_cli_inproc("--workspace", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE),
+                         "accept", "--probes", str(recipe), "--url", "http://127.0.0.1:9",
+                         timeout=30)
     assert res.code == 2, res
     assert "expands to over" in res.err
 
@@ -130,8 +131,8 @@ def test_a_yaml_alias_bomb_is_refused_in_a_recipe_and_a_probes_file(tmp_path: Pa
 def test_a_fifo_as_a_recipe_is_refused(tmp_path: Path) -> None:
     fifo = tmp_path / "recipe.yaml"
     os.mkfifo(fifo)
-    res = run_cli("--workspace", str(tmp_path / "ws"), "--recipe", str(fifo), "status",
-                  timeout=30)
+    res = run_cli_inproc("--workspace", str(tmp_path / "ws"), "--recipe", str(fifo), "status",
+                         timeout=30)
     assert res.code == 2, res
     assert "not a regular file" in res.err and "Traceback" not in res.err
 
@@ -143,25 +144,25 @@ def test_convert_redoes_and_verify_names_a_layer_whose_source_changed(tmp_path: 
     dims = DIMS
     src = write_synthetic_checkpoint(tmp_path / "ckpt", dims, seed=1)
     ws = tmp_path / "ws"
-    first = run_cli("-w", str(ws), "--json", "convert", "--source", str(src))
+    first = run_cli_inproc("-w", str(ws), "--json", "convert", "--source", str(src))
     assert first.code == 0, first
     other = write_synthetic_checkpoint(tmp_path / "other", dims, seed=2, layers=[0, 1])
     shard = "model-00001-of-00002.safetensors"
     assert (other / shard).stat().st_size == (src / shard).stat().st_size
     os.replace(other / shard, src / shard)  # layer 0's shard: other weights, same shape
-    verify = run_cli("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
-                     "--deep", "0")
+    verify = run_cli_inproc("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
+                            "--deep", "0")
     assert verify.code == 1, verify
     messages = [p["message"] for p in verify.json()["data"]["problems"]]
     assert any(m.startswith("layer 0: ") and "converted from other weights" in m
                and shard in m for m in messages), messages
-    again = run_cli("-w", str(ws), "--json", "convert", "--source", str(src))
+    again = run_cli_inproc("-w", str(ws), "--json", "convert", "--source", str(src))
     assert again.code == 0, again
     data = again.json()["data"]["data"]
     assert data["converted"] == [0] and data["skipped"] == [1]
     assert shard in data["redone_source_changed"]["0"]
-    verify = run_cli("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
-                     "--deep", "0")
+    verify = run_cli_inproc("-w", str(ws), "--json", "verify-gguf", "--source", str(src),
+                            "--deep", "0")
     assert verify.code == 0, verify
 
 
@@ -175,7 +176,8 @@ def test_a_symlink_planted_at_the_temp_name_is_not_followed(tmp_path: Path) -> N
     out = tmp_path / "ws" / "gguf"
     out.mkdir(parents=True)
     os.symlink(canary, out / "dsv4_layer0_mxfp4.gguf.tmp")
-    res = run_cli("-w", str(tmp_path / "ws"), "convert", "--source", str(src), "--layers", "0")
+    res = run_cli_inproc("-w", str(tmp_path / "ws"), "convert", "--source", str(src),
+                         "--layers", "0")
     assert res.code == 0, res
     assert canary.read_bytes() == b"keep me\n"
     assert not (out / "dsv4_layer0_mxfp4.gguf").is_symlink()
@@ -190,7 +192,8 @@ def test_a_malformed_layer_sources_record_is_one_line(tmp_path: Path) -> None:
     out = tmp_path / "ws" / "gguf"
     out.mkdir(parents=True)
     (out / ".dsv4-layer-sources.json").write_text("[1, 2")
-    res = run_cli("-w", str(tmp_path / "ws"), "convert", "--source", str(src), "--layers", "0")
+    res = run_cli_inproc("-w", str(tmp_path / "ws"), "convert", "--source", str(src),
+                         "--layers", "0")
     assert "Traceback" not in res.err, res
     assert res.code in (0, 2), res
 
@@ -200,7 +203,7 @@ def test_a_malformed_stage_record_is_one_line(tmp_path: Path, record: str) -> No
     state = tmp_path / "ws" / ".dsv4" / "state.json"
     state.parent.mkdir(parents=True)
     state.write_text('{"schema": 1, "stages": {"doctor": ' + record + "}}")
-    res = run_cli("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "status")
+    res = run_cli_inproc("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "status")
     assert res.code == 2, res
     assert "the record of stage 'doctor' is malformed" in res.err and "Traceback" not in res.err
 
@@ -208,8 +211,8 @@ def test_a_malformed_stage_record_is_one_line(tmp_path: Path, record: str) -> No
 def test_a_lock_that_is_a_directory_is_one_line(tmp_path: Path) -> None:
     lock = tmp_path / "ws" / ".dsv4" / "lock"
     lock.mkdir(parents=True)
-    res = run_cli("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "run", "--to",
-                  "doctor")
+    res = run_cli_inproc("-w", str(tmp_path / "ws"), "--recipe", str(HOST_RECIPE), "run", "--to",
+                         "doctor")
     assert res.code == 2, res
     assert str(lock) in res.err and "Traceback" not in res.err
 
@@ -274,6 +277,6 @@ def test_an_api_key_file_or_manifest_that_is_not_a_small_text_file_is_one_line(
     worker.join(5)
     assert not worker.is_alive(), "reading the API key file hung"
     assert result and str(path) in result[0] and "\n" not in result[0]
-    res = run_cli("-w", str(tmp_path / "ws"), "verify-gguf", "--manifest", str(path),
-                  timeout=30)
+    res = run_cli_inproc("-w", str(tmp_path / "ws"), "verify-gguf", "--manifest", str(path),
+                         timeout=30)
     assert "Traceback" not in res.err

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli_inproc as run_cli  # the commands in process: not the process
 from standin_hub import StandinHub, tiny_model_repo
 
 from dsv4_offload.core.errors import Dsv4Error, InputError

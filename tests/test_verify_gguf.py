@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli_inproc as run_cli  # the commands in process: not the process
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Status

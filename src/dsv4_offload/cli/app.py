@@ -222,6 +222,22 @@ def main(argv: list[str] | None = None) -> NoReturn:
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
+def forget_call_state() -> None:
+    """Forget what one call of :func:`main` leaves in this process (consoles, signals noted,
+    warnings given, the hub client's open connections), so that an in-process caller's calls
+    are independent, as processes are."""
+    from dsv4_offload.cli import render
+    from dsv4_offload.core.runner import forget_signals
+    from dsv4_offload.workspace.placement import forget_warnings
+
+    render.forget_consoles()
+    forget_signals()
+    forget_warnings()
+    hub_client = sys.modules.get("huggingface_hub")
+    if hub_client is not None:  # its shared client keeps connections alive across calls
+        hub_client.close_session()
+
+
 def _workspace_given(found: list[str]) -> str | None:
     """The value of -w/--workspace among the global option tokens, or None."""
     for index, token in enumerate(found):

@@ -46,6 +46,13 @@ def err_console() -> Console:
     return Console(stderr=True, highlight=False)
 
 
+def forget_consoles() -> None:
+    """Build the consoles anew on next use, for the streams and environment then current
+    (an in-process caller that runs several commands, such as the tests)."""
+    console.cache_clear()
+    err_console.cache_clear()
+
+
 def styled(text: str) -> str:
     style = STATUS_STYLE.get(text.lower(), "")
     return f"[{style}]{text}[/{style}]" if style else text

@@ -430,6 +430,11 @@ class Interrupted(KeyboardInterrupt):
 _received: list[int] = []
 
 
+def forget_signals() -> None:
+    """Forget the signals noted so far (an in-process caller starting its next command)."""
+    _received.clear()
+
+
 def received_signal() -> int | None:
     """The first SIGTERM/SIGHUP this process got under :func:`signals_as_interrupt`, or None."""
     return _received[0] if _received else None

@@ -32,6 +32,11 @@ BUILD_STAGE = "build"
 _warned: set[str] = set()
 
 
+def forget_warnings() -> None:
+    """Say the `--runtime host` warning again (an in-process caller's next command)."""
+    _warned.clear()
+
+
 def placement_of(recipe: Recipe, stage: str) -> Placement:
     """Where the recipe puts ``stage``: 'container' or 'host'."""
     runtime = recipe.runtime
