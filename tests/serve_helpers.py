@@ -90,6 +90,13 @@ def leftovers(tag: str) -> list[psutil.Process]:
     return found
 
 
+def standin_servers(tag: str) -> list[psutil.Process]:
+    """The stand-in servers among ``leftovers(tag)``, by the command line read when they were
+    listed (a server exiting meanwhile is a zombie whose cmdline() raises)."""
+    return [p for p in leftovers(tag)
+            if any(str(a).endswith("standin_server.py") for a in p.info["cmdline"][1:2])]
+
+
 def leftover_guard(tmp_path: Path) -> Iterator[str]:
     """A tag for the processes a test starts; afterwards none may remain (they are killed).
 

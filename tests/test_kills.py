@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import TESTS, run_cli
-from serve_helpers import leftovers
+from serve_helpers import standin_servers
 from standin_hub import HubRepo, StandinHub, isolate_clients, tiny_model_repo
 from test_serve_cli import standin_on_host
 
@@ -383,14 +383,12 @@ def test_serve_detach_killed_anywhere_leaves_one_server_that_status_and_stop_agr
                             stdin=subprocess.DEVNULL)
     assert killed.returncode in (-9, 130, 143), killed
     try:
-        servers = [p for p in leftovers(no_leftovers)
-                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        servers = standin_servers(no_leftovers)
         status = run_cli(*base, "serve", "status", env=env)
         assert (status.code == 0) == bool(servers), (status, servers)
         again = run_cli(*base, "serve", "--detach", env=env)
         assert again.code == 0, again
-        servers = [p for p in leftovers(no_leftovers)
-                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        servers = standin_servers(no_leftovers)
         assert len(servers) == 1, servers  # one server: a second never starts beside it
         stages = {s["name"]: s for s in
                   run_cli(*base, "--json", "status", env=env).json()["data"]["stages"]}
@@ -439,8 +437,7 @@ def test_serve_detach_killed_while_its_server_loads_leaves_nothing_that_status_h
         assert stop.code == 0 and "no server running" in stop.out, stop
         again = run_cli(*base, "serve", "--detach", env=env)
         assert again.code == 0, again
-        servers = [p for p in leftovers(no_leftovers)
-                   if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        servers = standin_servers(no_leftovers)
         assert len(servers) == 1, servers
     finally:
         run_cli(*base, "serve", "stop", env=env)

@@ -12,7 +12,13 @@ from pathlib import Path
 
 import requests
 from conftest import HOST_RECIPE, run_cli, run_cli_inproc
-from serve_helpers import free_port, leftovers, make_workspace, standin_overrides
+from serve_helpers import (
+    free_port,
+    leftovers,
+    make_workspace,
+    standin_overrides,
+    standin_servers,
+)
 
 from dsv4_offload.workspace.store import Workspace
 
@@ -146,8 +152,7 @@ def test_ctrl_c_on_a_foreground_serve_stops_the_server(tmp_path, no_leftovers):
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_http(f"http://127.0.0.1:{port}/health")
-        server = [p for p in leftovers(no_leftovers)
-                  if p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")]
+        server = standin_servers(no_leftovers)
         assert server and server[0].ppid() == proc.pid  # the CLI holds it: nothing detached
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)
@@ -194,9 +199,7 @@ def test_ctrl_c_while_a_detached_server_loads_leaves_nothing(tmp_path, no_leftov
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         deadline = time.monotonic() + 20
-        while time.monotonic() < deadline and not any(
-                p.cmdline()[1:2] and p.cmdline()[1].endswith("standin_server.py")
-                for p in leftovers(no_leftovers)):
+        while time.monotonic() < deadline and not standin_servers(no_leftovers):
             time.sleep(0.1)
         proc.send_signal(signal.SIGINT)
         proc.communicate(timeout=30)

@@ -64,7 +64,8 @@ def test_foreground_serve_streams_the_log_and_returns_when_the_server_stops(tmp_
     while time.monotonic() < deadline and not any("ready at" in s for s in seen):
         time.sleep(0.05)
     assert any("KV Cache is allocated" in s for s in seen)
-    server = next(p for p in leftovers(no_leftovers) if "standin_server" in " ".join(p.cmdline()))
+    server = next(p for p in leftovers(no_leftovers)
+                  if "standin_server" in " ".join(p.info["cmdline"]))
     assert server.ppid() == os.getpid()  # the tool itself supervises in the foreground
     os.killpg(server.pid, signal.SIGINT)
     runner.join(20)
