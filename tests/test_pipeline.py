@@ -231,8 +231,9 @@ def test_unimplemented_stage_stops_run_and_is_never_done(cli, ws: Path, fake_sta
 def test_state_file_is_valid_json_after_every_step(ws: Path, fake_stages_env) -> None:
     # the state file is replaced atomically: no temp files remain next to it
     full = dict(os.environ, **fake_stages_env)
-    subprocess.run([*CLI, *HOST, "-w", str(ws), "run"], env=full, check=True,
-                   capture_output=True)
+    done = subprocess.run([*CLI, *HOST, "-w", str(ws), "run"], env=full, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-3000:])
     meta = ws / ".dsv4"
     # records.lock: the flock around each read-modify-write of the records (stage processes
     # of one run write them at once)
