@@ -223,9 +223,14 @@ acceptance:
     assert "environment (CHUNKED_PREFILL_SIZE" in printed.stdout, printed.stdout
     print("serve --print inside the container:\n" + printed.stdout)
 
-    # `serve` inside: the launcher's knobs exported here reach the server process by name
-    served = cli("serve", "--detach", extra={"CHUNKED_PREFILL_SIZE": "32768",
-                                             "KT_NUM_GPU_EXPERTS": "24"})
+    # `serve` inside: the launcher's knobs exported here reach the server process by name;
+    # a key file outside every mount (issue 28) crosses owner-only, never on docker's argv
+    home = tmp_path / "home"
+    home.mkdir()
+    key = "sk-" + os.urandom(8).hex()
+    (home / "api.key").write_text(key + "\n")
+    served = cli("serve", "--detach", "--api-key-file", str(home / "api.key"),
+                 extra={"CHUNKED_PREFILL_SIZE": "32768", "KT_NUM_GPU_EXPERTS": "24"})
     assert served.returncode == 0, served
     got = json.loads(report.read_text())
     assert got["dockerenv"] is True
@@ -233,6 +238,9 @@ acceptance:
     assert argv[argv.index("--chunked-prefill-size") + 1] == "32768"
     assert argv[argv.index("--kt-num-gpu-experts") + 1] == "24"
     assert got["env"]["CHUNKED_PREFILL_SIZE"] == "32768"
+    assert argv[argv.index("--api-key") + 1] == key  # the server inside has the key
+    (crossed,) = (ws / ".dsv4" / "keys").iterdir()
+    assert oct(crossed.stat().st_mode & 0o777) == "0o600"
     # the delivery's `-p PORT:PORT` publishes it: the host reaches the server inside
     import urllib.error
     import urllib.request
@@ -241,7 +249,9 @@ acceptance:
     deadline = time.monotonic() + 60
     while True:
         try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=30) as answer:
+            asked = urllib.request.Request(f"http://127.0.0.1:{port}/health",
+                                           headers={"Authorization": f"Bearer {key}"})
+            with urllib.request.urlopen(asked, timeout=30) as answer:
                 assert answer.status == 200
                 break
         except (ConnectionError, urllib.error.URLError):
@@ -256,6 +266,7 @@ acceptance:
     assert record["status"] == "done" and record["summary"].startswith("passed:"), record
     stopped = cli("serve", "stop")
     assert stopped.returncode == 0, stopped
+    assert not crossed.exists() and (home / "api.key").exists()  # the copy went with it
     # the host process dies (SIGKILL, as a dropped SSH session or the OOM killer would):
     # the stage it sent into the container stops with it instead of running on outside
     # the workspace lock, and its record says so
