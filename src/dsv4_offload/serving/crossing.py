@@ -50,16 +50,13 @@ def private_copy(workspace: Workspace, name: str, path: Path) -> Path:
     return dest
 
 
-def forget(workspace: Workspace, *paths: str | None) -> list[str]:
+def forget(workspace: Workspace, *paths: str | None) -> None:
     """Remove the private copies among ``paths`` (its users are done with them: accept after
     its run, serve when its server stops); a path elsewhere is the user's and stays."""
     keys = (workspace.meta_dir / KEYS_DIR).resolve()
-    gone = []
     for text in paths:
         if text and Path(text).resolve().parent == keys:
             Path(text).unlink(missing_ok=True)
-            gone.append(text)
-    return gone
 
 
 def copies(before: StageOptions, after: StageOptions) -> list[str]:
