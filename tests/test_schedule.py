@@ -261,9 +261,9 @@ def test_the_disk_preflight_refuses_before_the_first_byte(tmp_path: Path,
     # the preflight first (doctor, here a stand-in that passes), then nothing else ran
     assert "doctor:" in res.out
     assert (ws / "ran.log").read_text().split() == ["doctor"]
-    events = [json.loads(line) for line in
-              _cli(ws, fake_stages_env, *huge, "--json", "run").out.splitlines()]
-    assert events[-1]["event"] == "run.refused" and events[-1]["error"].startswith("disk: ")
+    second = _cli(ws, fake_stages_env, *huge, "--json", "run")
+    events = [json.loads(line) for line in second.out.splitlines()]
+    assert events[-1]["event"] == "run.refused" and events[-1]["error"].startswith("disk: "), second
     assert (ws / "ran.log").read_text().split() == ["doctor", "doctor"]
     assert "disk: failed" in _cli(ws, fake_stages_env, *huge, "run", "--dry-run").out
     assert _cli(ws, fake_stages_env, *huge, "run", "--to", "patch").code == 0  # no transfer
@@ -324,3 +324,22 @@ def test_the_cpu_budget_defaults_and_its_one_line_error(tmp_path: Path, fake_sta
     assert len(bad.err.strip().splitlines()) == 1
     assert ("build_jobs 4 + convert_jobs_beside_build 1 exceed cores 4; lower build_jobs"
             in bad.err)
+
+
+def test_a_rerun_whose_record_equals_the_last_one_is_still_done(tmp_path: Path,
+                                                                fake_stages_env) -> None:
+    """A fast stage run twice within one second writes the very record it wrote before
+    (stamps to the second, seconds to the millisecond): the run still sees it done. A CI run
+    once refused with "doctor failed" so; here the stand-in writes its last record again."""
+    ws = tmp_path / "ws"
+    state = ws / ".dsv4" / "state.json"
+    again = ["--json", "run", "--to", "doctor", "--force", "doctor"]
+    assert _cli(ws, fake_stages_env, *again).code == 0
+    last = json.loads(state.read_text())["stages"]["doctor"]
+    (ws / "last-record.json").write_text(json.dumps(last))
+    _behave(ws, doctor="same-record")
+    res = _cli(ws, fake_stages_env, *again)
+    assert json.loads(state.read_text())["stages"]["doctor"] == last  # the case is met
+    assert res.code == 0, res
+    assert json.loads(res.out.splitlines()[-1])["stages"] == {"doctor": "done"}
+    assert (ws / "ran.log").read_text().split() == ["doctor", "doctor"]

@@ -10,10 +10,11 @@ With <workspace>/record-env (names), it writes the values it saw to <workspace>/
 For the pipelined run (tests/test_schedule.py): 'sleep N' works N seconds; 'await OTHER'
 writes <workspace>/<stage>.started and waits until <workspace>/<OTHER>.started exists too (so
 the two ran at once; it fails after 30 s if they never do, as a serial run would make it);
-'until OTHER STATUS' waits until OTHER's record in the state file says STATUS; 'rows NAME...'
-fails with those check rows, declared as core/preflight declares them (doctor's). A download
-reports its bytes as `download mxfp4` progress, a convert two layers converted and one
-verified, a build its step (events; nothing when run alone).
+'until OTHER STATUS' waits until OTHER's record in the state file says STATUS; 'same-record'
+writes as its done record <workspace>/last-record.json (two runs in one second write the same);
+'rows NAME...' fails with those check rows, declared as core/preflight declares them (doctor's).
+A download reports its bytes as `download mxfp4` progress, a convert two layers converted and
+one verified, a build its step (events; nothing when run alone).
 """
 
 from __future__ import annotations
@@ -73,6 +74,8 @@ def make(name: str):  # type: ignore[no-untyped-def]
                       "time.sleep(600)\n")
             run_command([sys.executable, "-c", script, str(pids)],
                         log=ctx.log_dir / "children.log")
+        if behave == "same-record":  # its done record is the one it wrote last time, as a
+            _same_record(ctx, name)     # rerun within the same second writes (stamps, seconds)
         if behave == "interrupt":
             raise KeyboardInterrupt
         if behave == "raise":
@@ -92,6 +95,22 @@ def make(name: str):  # type: ignore[no-untyped-def]
                            "options": sorted(k for k, v in ctx.options.items() if v)})
 
     return run
+
+
+def _same_record(ctx: StageContext, name: str) -> None:
+    """The done record this process writes is <workspace>/last-record.json (the test saved
+    it from the last run): what two runs write when their stamps and seconds coincide."""
+    from dsv4_offload.workspace.records import StageRecord, StageState
+    from dsv4_offload.workspace.store import Workspace
+
+    last = StageRecord.from_raw(json.loads((ctx.workspace.root / "last-record.json").read_text()))
+    write = Workspace.write_stage_record
+
+    def as_last(self, stage, record):  # type: ignore[no-untyped-def]
+        done = getattr(record, "status", None) == StageState.DONE
+        write(self, stage, last if stage == name and done else record)
+
+    Workspace.write_stage_record = as_last  # type: ignore[method-assign]
 
 
 def _wait(check, timeout: float = 30.0) -> bool:  # type: ignore[no-untyped-def]

@@ -444,7 +444,10 @@ class Scheduler:
         if report.error:
             s.cli_error = report.error
         record = self.ws.state().record(s.name)
-        mine = record if record is not None and record != s.before else StageRecord()
+        # its own: changed by it, or the same as before when its final event says it wrote
+        # one (a fast stage rerun within the second writes the very record of its last run)
+        mine = record if record is not None and (record != s.before or s.final_seen) \
+            else StageRecord()
         status = mine.status  # pending: none of its own
         s.log = mine.log or (s.result.log if s.result else None)
         if code == 0 and status == StageState.DONE:
