@@ -14,6 +14,13 @@ from typing import Any
 
 import pytest
 
+# Bytecode caches are written, as a default Python writes them: under a PYTHONDONTWRITEBYTECODE
+# set by the environment (this sandbox's is), each of the suite's ~1,500 Python processes (stage
+# children, CLI runs, stand-ins) compiled our modules from source again, ~0.1 CPU-s apiece.
+# No test depends on the caches; child processes inherit the setting from os.environ.
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
 CLI = [sys.executable, "-m", "dsv4_offload"]
