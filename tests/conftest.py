@@ -205,3 +205,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     and the rest of the long one run, and a worker that reached the peer early would wait for
     it idle."""
     items.sort(key=lambda item: "peer_python" in getattr(item, "fixturenames", ()))
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto` (pyproject's addopts): two workers a core. A fifth of a worker's time is spent
+    waiting (stand-in servers starting, timeouts that are the thing tested, children's exit),
+    during which another worker computes: on the 2-core machine the default tier's wall time
+    went from 370 s to 303 s with the same CPU time (four workers against two)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return 2 * (cores or 1)

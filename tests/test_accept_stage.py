@@ -233,9 +233,9 @@ def test_a_server_dying_halfway_through_the_throughput_phase_fails(tmp_path, no_
 def test_a_server_that_stops_answering_mid_stream_fails_within_the_timeout(tmp_path,
                                                                           no_leftovers):
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good",
-                                   "--hang-in-stream", "2")
+                                   "--hang-in-stream", "2", sets=["acceptance.request_timeout_s=2"])
     assert result.status is Status.FAILED
-    assert result.data["elapsed"] < 20  # request_timeout_s is 5 in these tests
+    assert result.data["elapsed"] < 17  # a 2 s request timeout: not the 5 s of the others
     problem = _problem(result, "decode throughput")
     assert problem.message.startswith("decode throughput: bucket 130 tokens: run 1: ")
     assert "the stream broke after" in problem.message
@@ -247,7 +247,8 @@ def test_throughput_below_the_reference_fails_unless_the_gate_is_off(tmp_path, n
     # a gated reference (the A3's is; the 910B's is report-only until measured on the pin)
     sets = ["acceptance.throughput.reference_tok_s=100",
             "acceptance.throughput.reference_range=[100, 120]",
-            "acceptance.throughput.report_only=false"]
+            "acceptance.throughput.report_only=false",
+            "acceptance.throughput.new_tokens=8", "acceptance.throughput.repeats=1"]
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *slow, sets=sets)
     assert result.status is Status.FAILED
     problem = _problem(result, "decode throughput")
@@ -268,10 +269,11 @@ def test_server_crashing_mid_acceptance_is_reported(tmp_path, no_leftovers):
 
 
 def test_hanging_server_fails_within_the_request_timeout(tmp_path, no_leftovers):
-    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "hang")
+    _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "hang",
+                                   sets=["acceptance.request_timeout_s=1"])
     assert result.status is Status.FAILED
-    assert result.data["elapsed"] < 15  # request_timeout_s is 5 in these tests
-    assert "no answer within 5s" in _check(result, "server answers")["detail"]
+    assert result.data["elapsed"] < 11  # a 1 s request timeout: not the 5 s of the others
+    assert "no answer within 1s" in _check(result, "server answers")["detail"]
 
 
 def test_openai_api_with_a_chat_probe_file(tmp_path, no_leftovers):
@@ -482,7 +484,7 @@ def test_gpqa_without_evalscope_is_one_line_with_the_install_command(tmp_path):
 def test_a_long_prompt_with_no_token_names_which_of_the_two_causes(tmp_path, no_leftovers,
                                                                   args, cause):
     _, result = _serve_then_accept(tmp_path, no_leftovers, "--mode", "good", *args,
-                                   sets=["acceptance.request_timeout_s=3"])
+                                   sets=["acceptance.request_timeout_s=2"])
     assert result.status is Status.FAILED
     check = _check(result, "decode throughput")
     assert check["ok"] is False and check["observed"].startswith("bucket 400")

@@ -64,13 +64,19 @@ def test_kunpeng_readers_are_the_serve_plans_pools_one_per_node() -> None:
 
 
 def _copy_gb_s(seconds: float = 1.0) -> float:
-    """A plain memory copy timed here: GB/s read (the copy also writes as much)."""
-    block = bytearray(256 * 2**20)
-    copies, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        bytes(block)  # one read and one write of the block
-        copies += 1
-    return copies * len(block) / (time.perf_counter() - t0) / 1e9
+    """A plain memory copy timed here: GB/s read (the copy also writes as much), the best of
+    short rounds into a buffer made once (no page faults in the figure; a round taken while
+    other tests run on the cores counts less than the best one)."""
+    src, dst = bytearray(64 * 2**20), bytearray(64 * 2**20)
+    dst[:] = src  # every page of both touched once, before timing
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        copies, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < 0.1:
+            dst[:] = src  # one read and one write of the block
+            copies += 1
+        best = max(best, copies * len(src) / (time.perf_counter() - t0) / 1e9)
+    return best
 
 
 @needs_sysbench
