@@ -66,11 +66,12 @@ def warn_skipped_patches(series: Any) -> None:
 
 
 def make_progress(g: GlobalOptions) -> Any:
-    from dsv4_offload.cli.render import RichProgress
     from dsv4_offload.core.results import Progress
 
     if g.quiet or g.json or not sys.stderr.isatty():
         return Progress()
+    from dsv4_offload.cli.render import RichProgress  # rich: only where bars are drawn
+
     return RichProgress()
 
 

@@ -49,11 +49,15 @@ def run(
     3. A failure stops the stages that need it; the others go on. The end names each branch
        that stopped, with its error and log. `--serial`: in order, stopping at the first.
     """
-    from rich.markup import escape
-
     from dsv4_offload import pipeline
-    from dsv4_offload.cli.render import console, styled
     from dsv4_offload.core.options import RunOptions
+
+    # rich is imported where text is shown: a stage process of a pipelined run (`--json run
+    # --serial`, one a stage) shows none, and is started hundreds of times in the tests
+    def console() -> Any:
+        from dsv4_offload.cli.render import console as shown
+
+        return shown()
 
     pctx = load_context(ctx, "", RunOptions(mirrors=tuple(mirror), device=device))
     g = options_of(ctx)
@@ -66,8 +70,14 @@ def run(
         if g.json:
             emit(ctx, command="run", status="ok", data={"dry_run": True, "plan": data})
         elif g.quiet:
+            from rich.markup import escape
+
             console().print(escape(_quiet_plan(items)), soft_wrap=True)
         else:
+            from rich.markup import escape
+
+            from dsv4_offload.cli.render import styled
+
             for i in items:
                 console().print(f"{i.stage:12} {styled(i.action):>4}  {escape(i.reason)}")
                 if i.steps:

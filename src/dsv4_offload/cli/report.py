@@ -19,7 +19,6 @@ import os
 import platform
 import re
 import sys
-import tarfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -241,6 +240,8 @@ def write_bundle(files: dict[str, str], secrets: list[str], out: Path) -> Path:
     top = out.name.removesuffix(".tar.gz").removesuffix(".tgz")
     out.parent.mkdir(parents=True, exist_ok=True)
     part = out.with_name(out.name + ".part")
+    import tarfile  # here: every command's start-up imports this module
+
     with tarfile.open(part, "w:gz") as tar:
         for name, text in sorted(files.items()):
             data = scrub(text, secrets).encode("utf-8")
