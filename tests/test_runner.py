@@ -108,3 +108,43 @@ def test_a_started_child_is_its_own_group_and_stops_with_it() -> None:
         raise KeyboardInterrupt
     assert child.proc.poll() is not None
     assert _gone(grandchild), "the grandchild outlived the interrupt"
+
+
+def _sentinels_of(notes: Path) -> list[int]:
+    """Processes whose command line is the sentinel of this notes file."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dsv4_offload.core.procs" in argv and str(notes).encode() in argv:
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_stage_starts_its_sentinel_before_its_first_child_and_none_without_one(
+        tmp_path: Path) -> None:
+    from dsv4_offload.core import procs
+    from dsv4_offload.pipeline.groups import groups_noted
+    from dsv4_offload.workspace.store import Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    ws.ensure()
+    notes = ws.run_dir / "groups-build"
+    with groups_noted(ws, "build", procs.identity()):
+        assert notes.exists() and _sentinels_of(notes) == []  # no child yet: no sentinel
+    with groups_noted(ws, "build", procs.identity()):
+        # the child looks for the sentinel as it starts: it is there already
+        looks = ("import os, sys\nfrom pathlib import Path\n"
+                 "print(any(b'dsv4_offload.core.procs' in p.read_bytes() and\n"
+                 "          sys.argv[1].encode() in p.read_bytes()\n"
+                 "          for p in Path('/proc').glob('[0-9]*/cmdline')\n"
+                 "          if p.parent.name != str(os.getpid())))\n")  # not itself
+        out = capture([sys.executable, "-c", looks, str(notes)], timeout=30)
+        assert out.stdout.strip() == "True", out
+        sentinel = _sentinels_of(notes)
+        assert len(sentinel) == 1
+        run_command([sys.executable, "-c", "pass"], log=tmp_path / "second.log")
+        assert _sentinels_of(notes) == sentinel  # one for the stage, not one a child
+    assert _gone(sentinel[0])  # released with the stage

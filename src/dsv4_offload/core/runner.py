@@ -304,10 +304,14 @@ def start(
 
 def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | None,
            stdin: int | None, stdout: int | IO[Any] | None, stderr: int | IO[Any] | None,
-           preexec_fn: Callable[[], None] | None = None, outlive: bool = False
-           ) -> subprocess.Popen[bytes]:
+           preexec_fn: Callable[[], None] | None = None, outlive: bool = False,
+           watched: bool = True) -> subprocess.Popen[bytes]:
     """The one ``Popen`` of the package: a new session, so the group can be stopped whole;
-    unless ``outlive``, the child dies with us (a parent-death signal)."""
+    unless ``outlive``, the child dies with us (a parent-death signal). Unless ``watched``
+    is off (a sentinel), the watchers of :func:`watch_groups` are told before and after."""
+    if watched:
+        for watcher in list(_group_watchers):
+            watcher.before()  # a failure here stops the start: nothing would watch the child
     before = preexec_fn
     if not outlive:
         parent = os.getpid()
@@ -326,9 +330,9 @@ def _spawn(args: list[str], *, cwd: Path | str | None, env: Mapping[str, str] | 
     proc = subprocess.Popen(args, cwd=cwd, env=child_env,
                             stdin=stdin, stdout=stdout, stderr=stderr,
                             start_new_session=True, preexec_fn=before, close_fds=True)
-    for watcher in list(_group_watchers):
+    for watcher in list(_group_watchers) if watched else []:
         with contextlib.suppress(Exception):  # a record that cannot be written stops nothing
-            watcher(proc.pid)
+            watcher.started(proc.pid)
     return proc
 
 
@@ -358,7 +362,7 @@ def start_sentinel(args: list[str]) -> Sentinel | None:
     read_fd, write_fd = os.pipe()  # both non-inheritable: no other child holds them
     try:
         proc = _spawn(args, cwd=None, env=None, stdin=read_fd, stdout=subprocess.DEVNULL,
-                      stderr=subprocess.DEVNULL, outlive=True)
+                      stderr=subprocess.DEVNULL, outlive=True, watched=False)
     except OSError:
         os.close(write_fd)
         return None
@@ -367,17 +371,26 @@ def start_sentinel(args: list[str]) -> Sentinel | None:
     return Sentinel(proc, write_fd)
 
 
-_group_watchers: list[Callable[[int], None]] = []
+@dataclass(frozen=True)
+class _Watcher:
+    before: Callable[[], None]
+    started: Callable[[int], None]
+
+
+_group_watchers: list[_Watcher] = []
 
 
 @contextlib.contextmanager
-def watch_groups(callback: Callable[[int], None]) -> Iterator[None]:
-    """Meanwhile, ``callback(pgid)`` for every child started (each leads its own group)."""
-    _group_watchers.append(callback)
+def watch_groups(callback: Callable[[int], None],
+                 before: Callable[[], None] = lambda: None) -> Iterator[None]:
+    """Meanwhile, ``before()`` ahead of every child's start and ``callback(pgid)`` once it
+    started (each child leads its own group)."""
+    watcher = _Watcher(before, callback)
+    _group_watchers.append(watcher)
     try:
         yield
     finally:
-        _group_watchers.remove(callback)
+        _group_watchers.remove(watcher)
 
 
 def _close_pipes(proc: subprocess.Popen[bytes]) -> None:
