@@ -363,7 +363,13 @@ def complete_or_absent(gguf: Path, dims: MoeDims) -> list[Path]:
     return finals
 
 
+@pytest.mark.slow
 def test_sigkill_mid_layer_leaves_no_final_file_and_rerun_is_identical(tmp_path: Path) -> None:
+    """A standalone convert killed outright in a layer, then rerun. The fast tier's seams (a
+    convert killed outright mid-layer, resumed; a signal in a layer of this command):
+    tests/test_kills.py::test_convert_follow_killed_anywhere_redoes_no_complete_layer
+    tests/test_convert.py::test_ctrl_c_mid_layer_cleans_up_and_exits_130
+    """
     source = write_synthetic_checkpoint(tmp_path / "ckpt", SIGNAL_SIZE, seed=3)
     ws = tmp_path / "ws"
     gguf = ws / "gguf"

@@ -98,9 +98,13 @@ def _long_convert(ws: Path, env: dict[str, str], *extra: str
     return proc, [int(p) for p in pids_file.read_text().split()]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP], ids=["SIGTERM", "SIGHUP"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGHUP,
+                                                                marks=pytest.mark.slow)],
+                         ids=["SIGTERM", "SIGHUP"])
 def test_term_or_hup_during_a_stage_is_ctrl_c(tmp_path: Path, fake_stages_env, no_leftovers,
                                               sig: signal.Signals) -> None:
+    """SIGHUP's run is in the long tier: both signals take Ctrl-C's way through the one
+    handler (core/runner.signals_as_interrupt), and SIGTERM's run is its fast seam."""
     ws = tmp_path / "ws"
     proc, pids = _long_convert(ws, fake_stages_env)
     proc.send_signal(sig)

@@ -199,9 +199,10 @@ def test_sigkill_of_run_and_a_rerun_resume_both_streams(site: Site, source: Path
                                                         no_leftovers: str) -> None:
     """SIGKILL of `run` mid-download; the rerun fetches and converts only what was missing.
 
-    Fast tests of its seams, the download and convert pair killed and rerun, and a killed
-    run resumed:
-    tests/test_stream_pair.py::test_sigkill_of_both_and_a_rerun_redo_nothing
+    Fast tests of its seams, the download and the convert following it each killed and
+    rerun, and a killed run resumed:
+    tests/test_kills.py::test_download_killed_anywhere_fetches_no_verified_file_again
+    tests/test_kills.py::test_convert_follow_killed_anywhere_redoes_no_complete_layer
     tests/test_pipeline.py::test_killed_run_resumes_from_the_interrupted_stage
     """
     site.behave(build="burn 0.5")

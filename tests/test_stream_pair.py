@@ -182,9 +182,15 @@ def test_layers_convert_while_the_download_runs(source: Path, expected: dict[int
     assert pair.stage("download")["status"] == pair.stage("convert")["status"] == "done"
 
 
+@pytest.mark.slow
 def test_sigkill_of_both_and_a_rerun_redo_nothing(source: Path, expected: dict[int, bytes],
                                                   lent: tuple[Path, dict[str, str]],
                                                   env: dict[str, str]) -> None:
+    """Download and the convert following it, both killed outright mid-way, then rerun. The
+    fast tier's seams (each of the two killed anywhere in the pair, resumed):
+    tests/test_kills.py::test_download_killed_anywhere_fetches_no_verified_file_again
+    tests/test_kills.py::test_convert_follow_killed_anywhere_redoes_no_complete_layer
+    """
     ws, token = lent
     repos = [repo_of(source, MXFP4_REPO), w8a8_repo(source, shard_bytes=96 << 10)]
     with StandinHub(repos) as hub:

@@ -191,8 +191,14 @@ def test_tune_refuses_an_unknown_knob_a_bad_budget_and_a_bad_overlay(tmp_path, n
     assert "--kt-cpuinfer 128  [host (8 pool(s), 192 cores)]" in printed.out
 
 
+@pytest.mark.slow
 def test_tune_discards_a_setting_whose_swa_pool_cannot_take_the_longest_bucket(
         tmp_path, no_leftovers):
+    """The SWA pool's bucket through a whole tune. The fast tier's seams (a trial failed by
+    its acceptance and discarded; acceptance naming a prompt the SWA pool cannot admit):
+    tests/test_tune.py::test_tune_discards_a_setting_whose_answers_degenerate
+    tests/test_accept_stage.py::test_a_long_prompt_with_no_token_names_which_of_the_two_causes
+    """
     # 40 resident experts leave the SWA pool 4096 - 8 x 510 = 16 tokens: the 64-token bucket
     # would never be admitted
     _root, words, env = _tune_words(
