@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
+from conftest import run_cli, run_cli_inproc
 from serve_helpers import leftovers
 from standin_server import model_rate
 from test_serve_cli import host_env, standin_on_host
@@ -166,28 +166,29 @@ def test_a_killed_tune_resumes_without_repeating_a_recorded_trial(tmp_path, no_l
 
 def test_tune_refuses_an_unknown_knob_a_bad_budget_and_a_bad_overlay(tmp_path, no_leftovers):
     root, words, env = _tune_words(tmp_path, no_leftovers)
-    knob = run_cli(*words, "tune", "--knob", "cores", env=env)
+    # the commands in this process: their refusals and the overlay's reading, not a process
+    knob = run_cli_inproc(*words, "tune", "--knob", "cores", env=env)
     assert knob.code == 2 and knob.err.strip() == (
         "error: --knob cores: not a knob of tune; use one of experts, mem_fraction, "
         "threadpools, cpuinfer, hot_tail")
-    budget = run_cli(*words, "tune", "--budget", "ten", env=env)
+    budget = run_cli_inproc(*words, "tune", "--budget", "ten", env=env)
     assert budget.code == 2
     assert "give a number of trials (20) or a time (90s, 30m, 2h)" in budget.err
-    shown = run_cli(*words, "tune", "show", env=env)
+    shown = run_cli_inproc(*words, "tune", "show", env=env)
     assert shown.code == 2
     assert "no tune study in this workspace; run `dsv4-offload tune`" in shown.err
     overlay = root / "tune" / "overlay.yaml"
     overlay.parent.mkdir(parents=True)
     overlay.write_text("serve:\n  kt_cpuinfer: 96\nacceptance:\n  api: openai\n")
-    printed = run_cli(*words, "serve", "--print", env=env)
+    printed = run_cli_inproc(*words, "serve", "--print", env=env)
     assert printed.code == 2 and "Traceback" not in printed.err
     assert f"{overlay}:3: acceptance: a tune overlay sets only `serve:`" in printed.err
     overlay.write_text("serve:\n  kt_cpuinfer: 96\n")
-    printed = run_cli(*words, "serve", "--print", env=env)
+    printed = run_cli_inproc(*words, "serve", "--print", env=env)
     assert printed.code == 0 and f"--kt-cpuinfer 96  [tune overlay ({overlay})]" in printed.out
-    cleared = run_cli(*words, "tune", "apply", "--clear", env=env)
+    cleared = run_cli_inproc(*words, "tune", "apply", "--clear", env=env)
     assert cleared.code == 0 and not overlay.exists()
-    printed = run_cli(*words, "serve", "--print", env=env)
+    printed = run_cli_inproc(*words, "serve", "--print", env=env)
     assert "--kt-cpuinfer 128  [host (8 pool(s), 192 cores)]" in printed.out
 
 
