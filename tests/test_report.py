@@ -11,7 +11,7 @@ import json
 import tarfile
 from pathlib import Path
 
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE, run_cli_inproc
 
 from dsv4_offload.workspace.store import Workspace
 
@@ -64,7 +64,7 @@ def _extract(bundle: Path) -> dict[str, str]:
 def test_report_bundle_has_what_a_maintainer_needs_and_no_secret(tmp_path: Path) -> None:
     ws, env = _plant(tmp_path)
     out = tmp_path / "bug.tar.gz"
-    res = run_cli("-w", str(ws.root), "-r", str(HOST_RECIPE), "report", "--out", str(out),
+    res = run_cli_inproc("-w", str(ws.root), "-r", str(HOST_RECIPE), "report", "--out", str(out),
                   env=env, timeout=300)
     assert res.code == 0, res
     assert str(out) in res.out
@@ -93,7 +93,7 @@ def test_report_works_without_a_workspace_or_a_valid_recipe(tmp_path: Path) -> N
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [\n")
     out = tmp_path / "r.tar.gz"
-    res = run_cli("-w", str(tmp_path / "none"), "-r", str(bad), "--json", "report",
+    res = run_cli_inproc("-w", str(tmp_path / "none"), "-r", str(bad), "--json", "report",
                   "--out", str(out), env={"HTTPS_PROXY": "http://127.0.0.1:9"})
     assert res.code == 0, res
     doc = res.json()

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE, run_cli, run_cli_inproc
 from serve_helpers import make_op, make_workspace
 
 from dsv4_offload.build.interpreter import chosen_python, resolve_python
@@ -166,7 +166,9 @@ def host_env(name: str, **extra: str) -> dict[str, str]:
 def test_serve_print_shows_the_launcher_line_and_an_exported_knob_with_its_origin(
         ws: Workspace, fixture, recipe_name, pools, threads, nsa):
     base = ["--workspace", str(ws.root), "--recipe", recipe_name]
-    res = run_cli(*base, "--json", "serve", "--print", env=host_env(fixture, NPU_DEVICE_ID="3"))
+    # the printed plan: no process of its own to see (run_cli_inproc)
+    res = run_cli_inproc(*base, "--json", "serve", "--print",
+                         env=host_env(fixture, NPU_DEVICE_ID="3"))
     assert res.code == 0, res
     data = res.json()["data"]
     recipe = load_recipe(recipe_name)
@@ -174,8 +176,8 @@ def test_serve_print_shows_the_launcher_line_and_an_exported_knob_with_its_origi
     template = str(ws.gguf_dir(recipe) / "dsv4_layer{layer_idx}_mxfp4.gguf")
     assert data["argv"][1:] == launcher_argv(model, template, pools, threads)
     assert data["env_set"]["ASCEND_RT_VISIBLE_DEVICES"] == "3"
-    exported = run_cli(*base, "serve", "--print",
-                       env=host_env(fixture, KT_CPUINFER="48", NPU_DEVICE_ID="3"))
+    exported = run_cli_inproc(*base, "serve", "--print",
+                              env=host_env(fixture, KT_CPUINFER="48", NPU_DEVICE_ID="3"))
     assert exported.code == 0, exported
     assert "--kt-cpuinfer 48  [environment (KT_CPUINFER, launcher L126)]" in exported.out
     assert f"--kt-threadpool-count {pools}  [host" in exported.out
