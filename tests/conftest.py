@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -20,6 +21,13 @@ import pytest
 # No test depends on the caches; child processes inherit the setting from os.environ.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+# Ctrl-C as a terminal sends it: a pytest started in the background by a non-interactive shell
+# (`pytest &` in a script, nohup) inherits SIGINT ignored, and so would every command the tests
+# start, and the Ctrl-C they send would be lost. A handler of ours here is reset to the
+# default at each exec, where Python installs its own.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 TESTS = Path(__file__).parent
 REPO = TESTS.parent
