@@ -82,9 +82,10 @@ def test_a_bad_value_is_blamed_on_the_override_in_any_spelling() -> None:
 def test_the_field_status_names_can_be_set_back(cli, tmp_path: Path, fake_stages_env) -> None:
     """status prints the changed field; --set takes that very text (issue 11)."""
     ws = tmp_path / "ws"
-    # the pipeline on one host (HOST_RECIPE says why), past the disk preflight (SMALL_RECIPE)
+    # the pipeline on one host (HOST_RECIPE says why), past the disk preflight (SMALL_RECIPE),
+    # as far as fetch: the row this test reads
     host = ("-r", str(SMALL_RECIPE))
-    assert cli("run", "-w", str(ws), *host, env=fake_stages_env).code == 0
+    assert cli("run", "--to", "fetch", "-w", str(ws), *host, env=fake_stages_env).code == 0
     at = [s.name for s in load_recipe().sources].index("sglang")
 
     def fetch_state(*sets: str) -> dict:  # type: ignore[type-arg]
