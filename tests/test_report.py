@@ -103,3 +103,39 @@ def test_report_works_without_a_workspace_or_a_valid_recipe(tmp_path: Path) -> N
     assert "error" in json.loads(files["doctor.json"])["status"] or files["doctor.json"]
     assert "does not exist" in files["README.txt"]
     assert not (tmp_path / "none").exists()
+
+
+def test_two_bundles_written_at_once_to_one_name_both_finish(tmp_path: Path) -> None:
+    """Two reports in the same second share the default name: each writes a part of its
+    own (one .part for both lost the second's rename: seen in a CI run of test_access)."""
+    import threading
+
+    from dsv4_offload.cli.report import write_bundle
+
+    out = tmp_path / "dsv4-report-20261207-145119.tar.gz"
+    files = {f"logs/{i}.log": "line\n" * 20000 for i in range(20)}
+    errors: list[BaseException] = []
+
+    def write() -> None:
+        try:
+            write_bundle(files, [], out)
+        except BaseException as exc:  # what a thread met, for the assertion
+            errors.append(exc)
+
+    for _ in range(5):
+        threads = [threading.Thread(target=write) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert errors == []
+    assert out.exists() and not list(tmp_path.glob("*.part"))
+    assert oct(out.stat().st_mode & 0o777) == oct(0o666 & ~_umask_now())
+
+
+def _umask_now() -> int:
+    import os
+
+    current = os.umask(0)
+    os.umask(current)
+    return current
