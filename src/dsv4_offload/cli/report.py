@@ -238,28 +238,22 @@ def collect(typer_ctx: typer.Context) -> tuple[dict[str, str], list[str]]:
 def write_bundle(files: dict[str, str], secrets: list[str], out: Path) -> Path:
     """The scrubbed files as `out` (tar.gz, one top directory), written atomically."""
     top = out.name.removesuffix(".tar.gz").removesuffix(".tgz")
-    out.parent.mkdir(parents=True, exist_ok=True)
     import tarfile  # here: every command's start-up imports this module
-    import tempfile
 
-    # a name of its own: two reports in the same second (the default name's resolution)
-    # would otherwise write one .part, and the second rename find it gone
-    fd, name = tempfile.mkstemp(dir=out.parent, prefix=out.name + ".", suffix=".part")
-    part = Path(name)
-    try:
-        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w:gz") as tar:
-            for member, text in sorted(files.items()):
-                data = scrub(text, secrets).encode("utf-8")
-                info = tarfile.TarInfo(f"{top}/{member}")
-                info.size = len(data)
-                info.mtime = int(time.time())
-                info.mode = 0o644
-                tar.addfile(info, io.BytesIO(data))
-        part.chmod(0o666 & ~_umask())  # as open() would have made it, not mkstemp's 0600
-        part.replace(out)
-    except BaseException:
-        part.unlink(missing_ok=True)
-        raise
+    from dsv4_offload.workspace.store import atomic_write_bytes
+
+    bundle = io.BytesIO()
+    with tarfile.open(fileobj=bundle, mode="w:gz") as tar:
+        for name, text in sorted(files.items()):
+            data = scrub(text, secrets).encode("utf-8")
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            info.mtime = int(time.time())
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+    # a temp file of its own (two reports in the same second share the default name)
+    atomic_write_bytes(out, bundle.getvalue())
+    out.chmod(0o666 & ~_umask())  # as open() makes a file, not the temp file's 0600
     return out
 
 
