@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -267,8 +268,12 @@ def test_a_corrupt_shard_stops_only_its_layer_and_the_rerun_fetches_just_it(
     res = site.run("run")  # as a user reads it; the events are in the run's events file
     assert res.code == 1, res
     assert "run finished with download, convert stopped" in res.out, res
-    # the failure said once, as convert's own command shows it, the moment convert ended
-    table = res.out[res.out.index("download: failed —"):res.out.index("convert: failed —")]
+    # the failure said once, as convert's own command shows it, the moment convert ended: in
+    # the table right before convert's line (download's line may come before it or after)
+    head = res.out[:res.out.index("convert: failed —")].splitlines()
+    stage_line = re.compile(r"\s*[\w-]+: (done|failed|skipped|blocked|interrupted)\b")
+    ends = [i for i, line in enumerate(head) if stage_line.match(line)]
+    table = "\n".join(head[ends[-1] + 1:] if ends else head)
     assert f"layer 1: its shard {bad} failed to" in table, res.out
     assert "convert: failed — 1 of 6 layer(s) not converted" in res.out
     said = next(x for x in res.out.splitlines() if x.startswith("convert failed: "))
