@@ -160,3 +160,41 @@ def test_a_foreground_server_has_the_one_record_status_and_stop_agree_on(
     stages = {s["name"]: s for s in run_cli(*base, "--json", "status").json()["data"]["stages"]}
     assert stages["serve"]["state"] != "running", stages["serve"]
     assert not leftovers(no_leftovers)
+
+
+_SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2) of the calling thread alone
+
+
+@pytest.mark.skipif(os.uname().machine not in _SYS_EXIT, reason="exit(2)'s number not known")
+def test_a_child_signalled_by_a_parent_still_holding_its_pid_sees_the_parent_dying(
+        tmp_path: Path) -> None:
+    """The kernel's parent-death signal comes when the thread that started the child leaves.
+    The parent here starts its child through the runner (the signal armed), then its main
+    thread leaves by exit(2) while a second thread keeps the pid for 3 s, as the first
+    thread out of a SIGKILLed scheduler does: the child's getppid() still names the parent,
+    and procs.exiting says it is dying."""
+    out = tmp_path / "child.json"
+    child = (
+        "import json, os, signal, sys, time\n"
+        "from dsv4_offload.core import procs\n"
+        "parent = os.getppid()\n"
+        "def seen(signum, frame):\n"
+        "    doc = {'same': os.getppid() == parent, 'exiting': procs.exiting(parent)}\n"
+        f"    open({str(out)!r} + '.part', 'w').write(json.dumps(doc))\n"
+        f"    os.rename({str(out)!r} + '.part', {str(out)!r})\n"
+        "    os._exit(0)\n"
+        "signal.signal(signal.SIGTERM, seen)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(30)\n")
+    parent = (
+        "import ctypes, sys, threading, time\n"
+        "from dsv4_offload.core import runner\n"
+        f"c = runner.start([sys.executable, '-c', {child!r}], outlive=False)\n"
+        "assert c.proc.stdout.readline() == b'ready\\n'\n"
+        "threading.Thread(target=time.sleep, args=(3,)).start()\n"
+        f"ctypes.CDLL(None).syscall({_SYS_EXIT[os.uname().machine]}, 0)\n")
+    proc = subprocess.run([sys.executable, "-c", parent], timeout=30, capture_output=True)
+    assert proc.returncode == 0, proc
+    doc = json.loads(out.read_text())
+    assert doc == {"same": True, "exiting": True}, doc
+    assert not procs.exiting(os.getpid())  # a live process with threads is not dying

@@ -148,3 +148,41 @@ def test_a_stage_starts_its_sentinel_before_its_first_child_and_none_without_one
         run_command([sys.executable, "-c", "pass"], log=tmp_path / "second.log")
         assert _sentinels_of(notes) == sentinel  # one for the stage, not one a child
     assert _gone(sentinel[0])  # released with the stage
+
+
+def test_a_program_that_cannot_run_raises_at_the_start_as_popen_does(tmp_path: Path) -> None:
+    """Behind setpriv (the parent-death signal set by its exec) a program that cannot run
+    would fail in setpriv, after the start: the runner raises what Popen raises instead."""
+    tool = tmp_path / "tool"
+    tool.write_text("#!/bin/sh\necho ran in \"$PWD\"\n")
+    with pytest.raises(PermissionError):
+        start([str(tool)])  # not executable
+    tool.chmod(0o755)
+    with pytest.raises(FileNotFoundError):
+        start(["./tool"])  # relative to the child's directory, which is not this one
+    assert capture(["./tool"], cwd=tmp_path, timeout=30).stdout.strip() == f"ran in {tmp_path}"
+    with pytest.raises(FileNotFoundError):
+        capture(["no-such-tool-here"], timeout=30)
+    child = start(["sleep", "30"])
+    try:  # the command runs in place of the wrapper: same pid, its own command line
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{child.pid}/cmdline").read_bytes().split(b"\0")[0] != b"sleep":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    finally:
+        child.proc.kill()
+        child.proc.wait()
+
+
+def test_without_setpriv_the_parent_death_signal_is_set_in_the_child(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host without util-linux's setpriv: the runner sets the signal in a preexec_fn (a
+    fork instead of vfork), the same child otherwise."""
+    from dsv4_offload.core import runner
+
+    monkeypatch.setattr(runner, "_setpriv", [[]])
+    out = capture([sys.executable, "-c", "import os; print(os.getpgid(0) == os.getpid())"],
+                  timeout=30)
+    assert out.stdout.strip() == "True"  # its own group, as ever
+    with pytest.raises(FileNotFoundError):
+        capture(["no-such-tool-here"], timeout=30)  # Popen's own error

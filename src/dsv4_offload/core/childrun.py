@@ -159,8 +159,7 @@ def on_lender_pipe() -> bool:
     return bool(os.environ.get(LENDER_PIPE_ENV))
 
 
-def lost_scheduler() -> str:
-    """The pid of the pipelined run that started this process, when that run is no longer
-    its parent (it was killed); empty otherwise."""
+def scheduler_pid() -> int | None:
+    """The pid of the pipelined run that started this process; None outside one."""
     raw = os.environ.get(SCHEDULER_PID_ENV, "")
-    return raw if raw.isdigit() and os.getppid() != int(raw) else ""
+    return int(raw) if raw.isdigit() else None

@@ -46,6 +46,39 @@ def start_time(pid: int | None) -> int | None:
         return None
 
 
+_FLAGS_INDEX = 6  # field 9: the kernel's task flags
+_PF_EXITING = 0x4  # include/linux/sched.h: the task is being torn down
+_SIGKILL_BIT = 1 << (signal.SIGKILL - 1)  # in the hex masks of /proc/<pid>/status
+
+
+def exiting(pid: int) -> bool:
+    """Is the process being torn down: its main thread past exit (a zombie, or marked
+    exiting) or a SIGKILL queued for it (a fatal signal queues one for every thread)?
+
+    A parent-death signal comes when the *thread* that started the child leaves: killing a
+    parent with threads, the first of them out signals the child while the others still
+    hold the pid, so for a moment the child's getppid() names a parent already dying."""
+    fields = stat_fields(pid)
+    if not fields or len(fields) <= _FLAGS_INDEX:
+        return False
+    if fields[0] in ("Z", "X", "x"):
+        return True
+    with contextlib.suppress(ValueError):
+        if int(fields[_FLAGS_INDEX]) & _PF_EXITING:
+            return True
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        key, _, value = line.partition(":")
+        if key in ("SigPnd", "ShdPnd"):
+            with contextlib.suppress(ValueError):
+                if int(value.strip(), 16) & _SIGKILL_BIT:
+                    return True
+    return False
+
+
 def cmdline(pid: int | None) -> list[str]:
     """The process's command line, [] when unknown."""
     if not pid:

@@ -3,6 +3,7 @@ the hand-over of a stage to the container when the recipe says so."""
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -123,8 +124,11 @@ def _record_failure(ctx: StageContext, name: str, started: str, t0: float, error
 
 def _orphaned() -> str:
     """' (the run that started it, pid N, was killed)' for a stage process whose run died."""
-    pid = childrun.lost_scheduler()
-    return f" (the run that started it, pid {pid}, was killed)" if pid else ""
+    pid = childrun.scheduler_pid()
+    # no longer our parent, or still it but dying (procs.exiting: the first of its threads
+    # out sends the parent-death signal while the others hold its pid)
+    lost = pid is not None and (os.getppid() != pid or procs.exiting(pid))
+    return f" (the run that started it, pid {pid}, was killed)" if lost else ""
 
 
 def _previous(name: str) -> str:
