@@ -99,6 +99,9 @@ RECIPE_CASES = [
      "sources[3].url", "url: pybind11"),
     ("wrong type for a list", "  gpu_experts_ladder: [32, 24, 16]", "  gpu_experts_ladder: 32",
      "serve.gpu_experts_ladder", "gpu_experts_ladder: 32"),
+    ("hot-tail window not a number", '    SGLANG_SET_CPU_AFFINITY: "1"',
+     '    SGLANG_SET_CPU_AFFINITY: "1"\n    KT_HOT_TAIL_TOKENS: "64 tokens"',
+     "env.KT_HOT_TAIL_TOKENS '64 tokens' is not a whole number", None),
 ]
 
 

@@ -27,7 +27,12 @@ if TYPE_CHECKING:
     from dsv4_offload.core.host import HostFacts
     from dsv4_offload.recipe import Recipe
 
-HOT_TAIL_ENV = "KT_HOT_TAIL_TOKENS"  # the hot-tail window, a variable of the server's env
+# the hot-tail window, a variable of the server's env, read by the delivery's sglang patch
+# (cann-recipes-infer @ 1a7fbd3, integration/sglang/dsv4-flash-single-npu-moe-offload/sglang/
+# 0003-sglang-streaming-prefill-depool.patch line 42: int(os.environ.get(NAME, "0") or "0"));
+# unset, empty and 0 are all "off", whole-prompt selection (its lines 32 and 933: only N > 0
+# restricts to the last N prompt tokens): hot_now below reads it the same way
+HOT_TAIL_ENV = "KT_HOT_TAIL_TOKENS"
 
 
 @dataclass(frozen=True)

@@ -537,6 +537,13 @@ class Serve(Strict):
                 f"longest_prompt_tokens {self.longest_prompt_tokens} (the NSA compressor needs "
                 "one chunk to cover the prompt)"
             )
+        hot_tail = self.env.get("KT_HOT_TAIL_TOKENS")
+        # the delivery's sglang 0003 patch line 42 reads it as int(value or "0") at import: a
+        # value that is not a whole number stops the server before it serves
+        if hot_tail is not None and hot_tail.strip() and not hot_tail.strip().isdigit():
+            raise ValueError(
+                f"env.KT_HOT_TAIL_TOKENS {hot_tail!r} is not a whole number of tokens (the "
+                "server reads it with int() and stops); use 0 (off) or e.g. 64")
         return self
 
 
