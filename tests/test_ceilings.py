@@ -96,6 +96,8 @@ def test_the_gguf_set_counts_when_whole_else_the_recipe(tmp_path: Path) -> None:
     for layer in range(42):
         (tmp_path / conv.file_name(layer)).write_bytes(b"x" * 1000)
     assert cl.gguf_set_bytes(tmp_path, conv)[0] == 43 * conv.expected_file_bytes  # one missing
+    (tmp_path / conv.file_name(42)).touch()  # an empty file is no converted layer
+    assert cl.gguf_set_bytes(tmp_path, conv)[0] == 43 * conv.expected_file_bytes
     (tmp_path / conv.file_name(42)).write_bytes(b"x" * 1001)
     assert cl.gguf_set_bytes(tmp_path, conv) == (43001, f"the GGUF set in {tmp_path}")
 

@@ -17,6 +17,10 @@ from serve_helpers import leftovers
 from standin_server import model_rate
 from test_serve_cli import host_env, standin_on_host
 
+from dsv4_offload.acceptance.ceilings import KernelBench
+from dsv4_offload.serving.bandwidth import Bandwidth, Reader
+from dsv4_offload.workspace.store import Workspace
+
 # the model's fast probe: two small buckets, median of 3 runs of 16 tokens each
 PROBE = ["tune.buckets=[16, 64]", "tune.repeats=3", "tune.new_tokens=16"]
 
@@ -47,7 +51,10 @@ def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
     tests/test_tune.py::test_the_space_holds_the_recipes_own_setting_and_the_rules_prune."""
     root, words, env = _tune_words(
         tmp_path, no_leftovers, sets=("tune.experts=[16, 24, 32]", "tune.cpuinfer=[64, 96, 128]"))
-    res = run_cli(*words, "--json", "tune", "--budget", "12", "--knob", "experts",
+    # 16 of the 36 settings: on the stand-in's figures the seeded search meets the optimum at
+    # its 11th measured setting (docs/guide.md §3.11's capture); a loaded host's noise can
+    # reorder near ties, and a budget at the edge made this test fail once in CI
+    res = run_cli(*words, "--json", "tune", "--budget", "16", "--knob", "experts",
                   "--knob", "cpuinfer", "--knob", "hot_tail", env=env, timeout=600)
     assert res.code == 0, res
     events = _events(res.out)
@@ -55,7 +62,7 @@ def test_tune_finds_the_models_optimum_and_apply_makes_it_the_serve_default(
     started = _started(events)
     # the first trial is the recipe's own setting: 32 experts, 8 pools x 16 threads, no tail
     assert started[0] == {"experts": 32, "cpuinfer": 128, "hot_tail": 0}
-    assert len(started) <= 12  # of the 36 settings of the space
+    assert len(started) <= 16  # of the 36 settings of the space
     # the model's optimum over the searched space (8 pools on this host)
     space = [(e, t, h) for e in (16, 24, 32) for t in (64, 96, 128) for h in (0, 32, 64, 128)]
     optimum = max(space, key=lambda s: model_rate(s[0], 8, s[1], s[2]))
@@ -107,8 +114,17 @@ def test_tune_never_starts_a_setting_the_hbm_rule_forbids(tmp_path, no_leftovers
 
 def test_tune_discards_a_setting_whose_answers_degenerate(tmp_path, no_leftovers):
     # the model's fastest hot-tail window garbles every answer
-    _root, words, env = _tune_words(tmp_path, no_leftovers, "--degenerate-hot-tail", "64",
-                                    sets=("tune.hot_tail_tokens=[0, 64]",))
+    root, words, env = _tune_words(tmp_path, no_leftovers, "--degenerate-hot-tail", "64",
+                                   sets=("tune.hot_tail_tokens=[0, 64]",))
+    # this host's bandwidth and the kernel's rate as doctor and `selftest --bench` cache them,
+    # through their own classes: each trial's accept places its decode between the ceilings
+    ws = Workspace(root)
+    ws.meta_dir.mkdir(parents=True, exist_ok=True)
+    ws.bandwidth_file.write_text(json.dumps(Bandwidth(
+        {0: 50.0}, 50.0, [Reader(0, "0-1", 1)], "sysbench memory read", True).as_dict()))
+    KernelBench(gb_s=20.0, forward_s=0.01, expert_bytes=13_400_000, top_k=6, experts=256,
+                pools=8, threads=128, rehearsal=None, recipe="dsv4-flash-910b",
+                when="2026-12-07T10:00:00+00:00").write(ws.bench_file)
     res = run_cli(*words, "--json", "tune", "--budget", "2", "--knob", "hot_tail",
                   env=env, timeout=600)
     assert res.code == 0, res
@@ -116,7 +132,19 @@ def test_tune_discards_a_setting_whose_answers_degenerate(tmp_path, no_leftovers
     failed = [e for e in events if e["event"] == "trial.failed"]
     assert [e["setting"]["hot_tail"] for e in failed] == [64]
     assert failed[0]["reason"].startswith("accept: probe ") and "repeated" in failed[0]["reason"]
-    assert events[-1]["best"]["setting"]["hot_tail"] == 0
+    best = events[-1]["best"]
+    assert best["setting"]["hot_tail"] == 0
+    # the best trial against its ceilings: accept's own figures for it, kept by the study
+    ceilings = best["ceilings"]
+    assert ceilings["share"] == 0.612 and ceilings["missing"] == []  # the stand-in's line
+    assert ceilings["roofline_fraction"] == pytest.approx(
+        ceilings["measured_tok_s"] / ceilings["roofline_tok_s"], rel=1e-2)
+    shown = run_cli(*words, "tune", "show", env=env)
+    assert shown.code == 0, shown
+    assert (f"trial {best['trial']} at resident share 0.612: accept measured "
+            f"{ceilings['measured_tok_s']} tok/s, {ceilings['roofline_fraction']:.0%} of the "
+            f"memory roofline ({ceilings['roofline_tok_s']:g} tok/s)") in shown.out, shown.out
+    assert ceilings["where"] in shown.out
 
 
 @pytest.mark.slow

@@ -197,14 +197,15 @@ def place(measured: float | None, share: float | None, per_expert: float | None,
 
 def gguf_set_bytes(gguf_dir: Path, conversion: Conversion) -> tuple[int, str]:
     """(bytes of the GGUF set, where the figure comes from): the converted files when every
-    layer is there, else the recipe's exact size of one layer file times the layers."""
+    layer is there, else the recipe's exact size of one layer file times the layers (an
+    empty file is no converted layer: it would make the bytes per token 0)."""
     sizes = []
     for layer in range(conversion.layers):
         try:
             sizes.append((gguf_dir / conversion.file_name(layer)).stat().st_size)
         except OSError:
             break
-    if len(sizes) == conversion.layers:
+    if len(sizes) == conversion.layers and all(sizes):
         return sum(sizes), f"the GGUF set in {gguf_dir}"
     return (conversion.expected_file_bytes * conversion.layers,
             "conversion.expected_file_bytes x conversion.layers")

@@ -189,6 +189,8 @@ def show(
             "png": str(png) if png else None}
     lines = [f"best: trial {best.number}, {best.value:g} tok/s" if best else
              "no trial passed accept yet"]
+    if best is not None:
+        lines.append(tn.placed(next(d for d in docs if d["trial"] == best.number)))
     lines.append(f"plot: {png}" if png else f"no plot: {why_not}")
     kit.emit(ctx, command="tune show", status="ok", data=data,
              table=_table(docs, best.number if best else None), lines=lines)
@@ -199,7 +201,7 @@ def _table(docs: list[dict[str, Any]], best: int | None) -> Any:
 
     names = sorted({k for d in docs for k in d["setting"]})
     table = Table(title="tune trials", pad_edge=False)
-    for column in ("#", "state", *names, "tok/s", "why"):
+    for column in ("#", "state", *names, "tok/s", "of roofline", "why"):
         table.add_column(column)
     for d in docs:
         why = d["reason"] or (f"same as trial {d['same_as']}" if d["same_as"] is not None
@@ -207,8 +209,15 @@ def _table(docs: list[dict[str, Any]], best: int | None) -> Any:
         mark = " *" if d["trial"] == best else ""
         table.add_row(f"{d['trial']}{mark}", d["state"],
                       *[str(d["setting"].get(n, "")) for n in names],
-                      f"{d['tok_s']:g}" if d["tok_s"] is not None else "-", why)
+                      f"{d['tok_s']:g}" if d["tok_s"] is not None else "-",
+                      _of_roofline(d), why)
     return table
+
+
+def _of_roofline(doc: dict[str, Any]) -> str:
+    """accept's measured decode as a share of the trial's memory roofline; '-' unknown."""
+    fraction = (doc.get("ceilings") or {}).get("roofline_fraction")
+    return f"{fraction:.0%}" if fraction is not None else "-"
 
 
 def _plot(study: Any, path: Any) -> tuple[Any, str]:

@@ -331,6 +331,9 @@ def _serve_and_accept(ctx: StageContext, trial: Any, request: TuneRequest
     if reason is None:
         accept = dispatch_stage(ctx, "accept", AcceptOptions(no_throughput_gate=True))
         trial.set_user_attr("report", str(accept.data.get("report", "")))
+        # where this setting's decode stands between its ceilings (the share moves with the
+        # resident experts): `tune show` places the best one
+        trial.set_user_attr("ceilings", accept.data.get("ceilings"))
         reason = _failure(accept, "accept")
         figures = _bucket_medians(accept.data.get("throughput") or [])
         if reason is None and not figures:
@@ -380,7 +383,28 @@ def _trial_doc(t: Any) -> dict[str, Any]:
             "tok_s": t.value, "buckets": attrs.get("buckets"), "reason": attrs.get("reason"),
             "same_as": attrs.get("same_as"), "ran": bool(attrs.get("ran")),
             "baseline": bool(attrs.get("baseline")), "set": attrs.get("set"),
-            "seconds": attrs.get("seconds"), "report": attrs.get("report")}
+            "seconds": attrs.get("seconds"), "report": attrs.get("report"),
+            "ceilings": attrs.get("ceilings")}
+
+
+def placed(doc: Mapping[str, Any]) -> str:
+    """Where a trial's decode stands between its ceilings, from accept's figures for it
+    (acceptance/ceilings.py as_dict): one line, naming what is not known."""
+    c = doc.get("ceilings") or {}
+    if not c:
+        return f"trial {doc['trial']}: its ceilings were not recorded (a tune before they were)"
+    share = "unknown" if c.get("share") is None else f"{c['share']:.3f}"
+    head = (f"trial {doc['trial']} at resident share {share}: accept measured "
+            f"{c.get('measured_tok_s')} tok/s")
+    known = [f"{c[f'{key}_fraction']:.0%} of the {name} ({c[f'{key}_tok_s']:g} tok/s)"
+             for name, key in (("memory roofline", "roofline"),
+                               ("CPU kernel's projection", "kernel"))
+             if c.get(f"{key}_tok_s") and c.get(f"{key}_fraction") is not None]
+    missing = "; ".join(c.get("missing") or [])
+    if not known:
+        return f"{head}; its ceilings are not known: {missing or 'no figure'}"
+    return (f"{head}, {', '.join(known)}" + (f" (not known: {missing})" if missing else "")
+            + f"; {c.get('where')}")
 
 
 def trial_docs(study: optuna.Study) -> list[dict[str, Any]]:
