@@ -358,9 +358,12 @@ class Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.close_connection = True
         sent = ""
-        # each token is due at a fixed pace from the stream's start, as a steady decode is: a
-        # late wake-up of a loaded host is made up by the next token instead of adding up
-        start = time.monotonic()
+        # under the performance model each token is due at a fixed pace from the stream's
+        # start, as a steady decode is: a late wake-up of a loaded host is made up by the
+        # next tokens instead of adding up (never closer than half the pace: a burst read in
+        # one piece has no decode time); otherwise a plain pause between tokens
+        start = last = time.monotonic()
+        delay = self.st.args.token_delay
         for i, chunk in enumerate(chunks):
             if nth == self.st.args.die_in_stream and i == len(chunks) // 2:
                 print(f"[standin] dying in the middle of streamed answer {nth}", flush=True)
@@ -368,7 +371,10 @@ class Handler(BaseHTTPRequestHandler):
             if nth == self.st.args.hang_in_stream and i == len(chunks) // 2:
                 print(f"[standin] hanging in the middle of streamed answer {nth}", flush=True)
                 time.sleep(3600)
-            time.sleep(max(0.0, start + (i + 1) * self.st.args.token_delay - time.monotonic()))
+            due = (max(start + (i + 1) * delay, last + delay / 2) if self.st.args.perf_model
+                   else time.monotonic() + delay)
+            time.sleep(max(0.0, due - time.monotonic()))
+            last = time.monotonic()
             sent += chunk
             if flavour == "native":
                 event = {"text": sent, "meta_info": {"prompt_tokens": prompt_tokens,
