@@ -79,6 +79,21 @@ def test_a_bad_value_is_blamed_on_the_override_in_any_spelling() -> None:
     assert str(err.value).startswith("--set sources[sglang].commit (over "), str(err.value)
 
 
+@pytest.mark.parametrize(("item", "expect"), [
+    # the server reads the window with int() at import (sglang/0003 line 42): refused at load
+    ("serve.env.KT_HOT_TAIL_TOKENS=-64", r"env\.KT_HOT_TAIL_TOKENS '-64' is not a whole number"),
+    ("tune.hot_tail_tokens=[0, -32]",
+     r"tune\.hot_tail_tokens\[1\]: Input should be greater than or equal to 0"),
+])
+def test_a_hot_tail_window_the_server_cannot_read_is_refused_at_load(item: str,
+                                                                     expect: str) -> None:
+    with pytest.raises(InputError) as err:
+        load_recipe(None, [item])
+    assert re.search(expect, str(err.value)), str(err.value)
+    assert load_recipe(None, ["serve.env.KT_HOT_TAIL_TOKENS=64"]).serve.env[
+        "KT_HOT_TAIL_TOKENS"] == "64"
+
+
 def test_the_field_status_names_can_be_set_back(cli, tmp_path: Path, fake_stages_env) -> None:
     """status prints the changed field; --set takes that very text (issue 11)."""
     ws = tmp_path / "ws"

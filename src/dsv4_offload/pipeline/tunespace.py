@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dsv4_offload.core.errors import Dsv4Error, InputError
+from dsv4_offload.recipe.sections import HOT_TAIL_ENV  # its comment: where the server reads it
 from dsv4_offload.serving.rules import (
     cpu_plan,
     cpuinfer_problem,
@@ -27,12 +28,6 @@ if TYPE_CHECKING:
     from dsv4_offload.core.host import HostFacts
     from dsv4_offload.recipe import Recipe
 
-# the hot-tail window, a variable of the server's env, read by the delivery's sglang patch
-# (cann-recipes-infer @ 1a7fbd3, integration/sglang/dsv4-flash-single-npu-moe-offload/sglang/
-# 0003-sglang-streaming-prefill-depool.patch line 42: int(os.environ.get(NAME, "0") or "0"));
-# unset, empty and 0 are all "off", whole-prompt selection (its lines 32 and 933: only N > 0
-# restricts to the last N prompt tokens): hot_now below reads it the same way
-HOT_TAIL_ENV = "KT_HOT_TAIL_TOKENS"
 
 
 @dataclass(frozen=True)
@@ -60,7 +55,7 @@ def knobs(recipe: Recipe, facts: HostFacts, names: Sequence[str] = ()) -> list[K
     serve, space = recipe.serve, recipe.tune
     nodes = max(1, len(facts.numa_nodes))
     pools_now, threads_now = _cpus_now(recipe, facts)
-    hot_now = int(serve.env.get(HOT_TAIL_ENV, "0") or 0)
+    hot_now = int(serve.env.get(HOT_TAIL_ENV, "0") or 0)  # as the server reads it: 0 is off
     pools = space.threadpools or sorted({1, nodes, *[2**i for i in range(8) if 2**i < nodes]})
     every = [
         Knob("experts", "serve.kt_num_gpu_experts", _with(space.experts,

@@ -39,6 +39,13 @@ def _commit_prefix(value: str) -> str:
 
 CommitPrefix = Annotated[str, AfterValidator(_commit_prefix)]
 
+# the hot-tail window, a variable of the server's env, read by the delivery's sglang patch
+# (cann-recipes-infer @ 1a7fbd3, integration/sglang/dsv4-flash-single-npu-moe-offload/sglang/
+# 0003-sglang-streaming-prefill-depool.patch line 42: int(os.environ.get(NAME, "0") or "0"));
+# unset, empty and 0 are all "off", whole-prompt selection (its lines 32 and 933: only N > 0
+# restricts to the last N prompt tokens)
+HOT_TAIL_ENV = "KT_HOT_TAIL_TOKENS"
+
 
 class Source(Strict):
     """A git repository pinned at a full commit and where it goes in the workspace.
@@ -537,12 +544,11 @@ class Serve(Strict):
                 f"longest_prompt_tokens {self.longest_prompt_tokens} (the NSA compressor needs "
                 "one chunk to cover the prompt)"
             )
-        hot_tail = self.env.get("KT_HOT_TAIL_TOKENS")
-        # the delivery's sglang 0003 patch line 42 reads it as int(value or "0") at import: a
-        # value that is not a whole number stops the server before it serves
+        hot_tail = self.env.get(HOT_TAIL_ENV)
+        # read as int(value or "0") at the server's import: anything else stops it there
         if hot_tail is not None and hot_tail.strip() and not hot_tail.strip().isdigit():
             raise ValueError(
-                f"env.KT_HOT_TAIL_TOKENS {hot_tail!r} is not a whole number of tokens (the "
+                f"env.{HOT_TAIL_ENV} {hot_tail!r} is not a whole number of tokens (the "
                 "server reads it with int() and stops); use 0 (off) or e.g. 64")
         return self
 
@@ -565,7 +571,7 @@ class Tune(Strict):
         [16, 32, 64, 96, 128, 160], min_length=1,
         description="CPU-infer threads to try (serve.kt_cpuinfer); fewer than the pools or "
         "more than the cores less serve.reserved_cores never started")
-    hot_tail_tokens: list[int] = Field(
+    hot_tail_tokens: list[Annotated[int, Field(ge=0)]] = Field(
         [0, 32, 64, 128], min_length=1,
         description="KT_HOT_TAIL_TOKENS values to try (serve.env; 0: off, the launcher's "
         "default); the guide measures 64 at -4 %..+8 %")
