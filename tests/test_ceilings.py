@@ -25,6 +25,16 @@ def _bench(gb_s: float) -> cl.KernelBench:
                           recipe="dsv4-flash-910b", when="2026-12-07T10:00:00+00:00")
 
 
+def write_caches(ws: Workspace, bandwidth_gb_s: float, bench_gb_s: float) -> None:
+    """This host's bandwidth and the kernel's rate as doctor and `selftest --bench` cache
+    them, through their own classes."""
+    ws.meta_dir.mkdir(parents=True, exist_ok=True)
+    ws.bandwidth_file.write_text(json.dumps(
+        Bandwidth({0: bandwidth_gb_s}, bandwidth_gb_s, [Reader(0, "0-1", 1)],
+                  "sysbench memory read", True).as_dict()))
+    _bench(bench_gb_s).write(ws.bench_file)
+
+
 def test_bytes_per_token_are_the_routed_experts_not_resident() -> None:
     # 43 layers x 6 experts x 13.4 MB = 3.45 GB per token with nothing resident
     assert cl.bytes_per_token(EXPERT, 6, 43, 0.0) == 43 * 6 * EXPERT
@@ -105,11 +115,7 @@ def test_the_gguf_set_counts_when_whole_else_the_recipe(tmp_path: Path) -> None:
 def test_accept_prints_the_three_figures_and_their_ratios(tmp_path: Path,
                                                           no_leftovers: str) -> None:
     ws = Workspace(tmp_path / "ws")
-    ws.meta_dir.mkdir(parents=True)  # the cache doctor writes, through its own class
-    ws.bandwidth_file.write_text(json.dumps(
-        Bandwidth({0: 50.0}, 50.0, [Reader(0, "0-1", 1)], "sysbench memory read",
-                  True).as_dict()))
-    _bench(20.0).write(ws.bench_file)
+    write_caches(ws, 50.0, 20.0)
     proc, url, log = _standin_elsewhere(tmp_path, no_leftovers)
     try:
         result = _cli_accept(tmp_path, url, "--server-log", str(log), "--quick")

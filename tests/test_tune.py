@@ -15,10 +15,9 @@ import pytest
 from conftest import run_cli, run_cli_inproc
 from serve_helpers import leftovers
 from standin_server import model_rate
+from test_ceilings import write_caches
 from test_serve_cli import host_env, standin_on_host
 
-from dsv4_offload.acceptance.ceilings import KernelBench
-from dsv4_offload.serving.bandwidth import Bandwidth, Reader
 from dsv4_offload.workspace.store import Workspace
 
 # the model's fast probe: two small buckets, median of 3 runs of 16 tokens each
@@ -116,15 +115,9 @@ def test_tune_discards_a_setting_whose_answers_degenerate(tmp_path, no_leftovers
     # the model's fastest hot-tail window garbles every answer
     root, words, env = _tune_words(tmp_path, no_leftovers, "--degenerate-hot-tail", "64",
                                    sets=("tune.hot_tail_tokens=[0, 64]",))
-    # this host's bandwidth and the kernel's rate as doctor and `selftest --bench` cache them,
-    # through their own classes: each trial's accept places its decode between the ceilings
-    ws = Workspace(root)
-    ws.meta_dir.mkdir(parents=True, exist_ok=True)
-    ws.bandwidth_file.write_text(json.dumps(Bandwidth(
-        {0: 50.0}, 50.0, [Reader(0, "0-1", 1)], "sysbench memory read", True).as_dict()))
-    KernelBench(gb_s=20.0, forward_s=0.01, expert_bytes=13_400_000, top_k=6, experts=256,
-                pools=8, threads=128, rehearsal=None, recipe="dsv4-flash-910b",
-                when="2026-12-07T10:00:00+00:00").write(ws.bench_file)
+    # the bandwidth and kernel caches: each trial's accept places its decode between the
+    # ceilings
+    write_caches(Workspace(root), 50.0, 20.0)
     res = run_cli(*words, "--json", "tune", "--budget", "2", "--knob", "hot_tail",
                   env=env, timeout=600)
     assert res.code == 0, res
