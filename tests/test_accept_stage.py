@@ -153,7 +153,10 @@ def test_run_serves_with_the_guides_32768_chunk_and_accept_measures_all_five_buc
     # as `run` does: serve with accept_chunk (registry run_options), then accept with the
     # recipe's own buckets (130 / 1000 / 8000 / 16000 / 32000), natural prose of our own
     ws = make_workspace(tmp_path / "ws")
-    overrides = standin_overrides(no_leftovers, free_port(), "--mode", "good") + [
+    # 20 ms a token: at the stand-in's default 2 ms a loaded host's client read all 8 tokens
+    # of a bucket in one piece (no decode time to measure), failing CI twice
+    overrides = standin_overrides(no_leftovers, free_port(), "--mode", "good",
+                                  "--token-delay", "0.02") + [
         "acceptance.throughput.prompt_buckets=[130, 1000, 8000, 16000, 32000]",
         "acceptance.throughput.new_tokens=8", "acceptance.throughput.repeats=1",
         "acceptance.throughput.warmup=1", "acceptance.throughput.reference_tok_s=1",
