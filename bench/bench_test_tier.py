@@ -1,11 +1,12 @@
 """The contributor's test tier on a fresh clone: set-up, pytest's wall time, the 15 slowest.
 
 Run: python3 bench/bench_test_tier.py [--rev REV] [--keep]
-Clones this repository at REV (default HEAD) into a temporary directory, makes a fresh venv,
-installs `.[test]` and runs the README's first test command (`python -m pytest`, the default
-tier) as written; prints the set-up time, pytest's wall and CPU time, their total against the
-5-minute target, and the 15 slowest tests (pytest's `--durations`). Not a test: its figure
-goes to the README. The machine's load changes it: quote the load average it prints.
+Clones this repository at REV (default HEAD) into a temporary directory and runs the README's
+test command there as written, read from the clone's README (`python3 -m venv .venv && pip
+install ... && python -m pytest`, the default tier); prints the set-up time, pytest's wall
+and CPU time, their total against the 5-minute target, and the 15 slowest tests (pytest's
+`--durations`). Not a test: its figure goes to the README. The machine's load changes it:
+quote the load average it prints.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import argparse
 import os
 import re
 import resource
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,6 +28,10 @@ TARGET_S = 300.0
 SLOWEST = 15
 # pytest's --durations lines: "12.34s call     tests/test_x.py::test_y[param]"
 DURATION = re.compile(r"^(\d+\.\d+)s (setup|call|teardown)\s+(\S.*)$")
+# the README's contributor command: venv, install, the default tier (tests/test_tiers.py
+# holds .ci/run to the same install)
+README_COMMAND = re.compile(r"^(python3 -m venv \.venv) && (\.venv/bin/pip install [^&\n]*?) && "
+                            r"(\.venv/bin/python -m pytest)$", re.M)
 
 
 def children_cpu() -> float:
@@ -61,6 +67,17 @@ def summary_line(log_text: str) -> str:
     return lines[-1].strip("= ") if lines else "(no pytest summary: see the log)"
 
 
+def readme_command(readme: Path) -> tuple[list[str], list[str], list[str]]:
+    """The README's three steps (venv, pip install, pytest) as argument lists."""
+    match = README_COMMAND.search(readme.read_text())
+    if match is None:
+        raise SystemExit(f"error: {readme}: no `python3 -m venv .venv && .venv/bin/pip install "
+                         "... && .venv/bin/python -m pytest` line; the README's test command "
+                         "is what this measures")
+    venv, pip, pytest = (shlex.split(step) for step in match.groups())
+    return [sys.executable, *venv[1:]], pip, pytest
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rev", default="HEAD", help="the commit to clone (default HEAD)")
@@ -81,9 +98,11 @@ def main() -> int:
                        check=True)
         subprocess.run(["git", "checkout", "-q", sha], cwd=clone, check=True)
         print(f"clone of {sha[:12]} in {clone}; log: {log}", flush=True)
-        venv_s, code = timed([sys.executable, "-m", "venv", ".venv"], clone, log)
+        venv, pip, pytest = readme_command(clone / "README.md")
+        print(f"the README's command: {shlex.join(pip)}, then {shlex.join(pytest)}", flush=True)
+        venv_s, code = timed(venv, clone, log)
         if code == 0:
-            pip_s, code = timed([".venv/bin/pip", "install", "-q", "-e", ".[test]"], clone, log)
+            pip_s, code = timed(pip, clone, log)
         if code != 0:
             print(f"set-up failed (exit {code}); see {log}", file=sys.stderr)
             opts.keep = True
@@ -93,8 +112,7 @@ def main() -> int:
               flush=True)
         # the README's command as written; --durations only adds the table read below
         cpu0 = children_cpu()
-        test_s, code = timed([".venv/bin/python", "-m", "pytest", f"--durations={SLOWEST}"],
-                             clone, log)
+        test_s, code = timed([*pytest, f"--durations={SLOWEST}"], clone, log)
         # CPU against wall: how much of the run waited (on servers, processes, the disk)
         test_cpu = children_cpu() - cpu0
         text = log.read_text(errors="replace")

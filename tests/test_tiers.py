@@ -72,5 +72,10 @@ def test_the_default_tier_leaves_the_slow_tests_out_and_ci_runs_both() -> None:
     assert ".venv/bin/python -m pytest" in commands
     assert ".venv/bin/python -m pytest -m slow" in commands
     ci = (REPO / ".ci" / "run").read_text()
+    # the set-up before them is the README's too (bench/bench_test_tier.py reads it there)
+    setup = re.search(r"^python3 -m venv \.venv && (\.venv/bin/pip install )([^&\n]*?) && "
+                      r"\.venv/bin/python -m pytest$", readme, re.M)
+    assert setup is not None, "README: the contributor's venv && pip install && pytest line"
+    assert re.search(rf"^{re.escape(setup[1])}(-q )?{re.escape(setup[2])}$", ci, re.M), setup[0]
     for command in (".venv/bin/python -m pytest", ".venv/bin/python -m pytest -m slow"):
         assert re.search(rf"^{re.escape(command)} \|\| status=\$\?$", ci, re.M), command
