@@ -1,5 +1,6 @@
 """Issue 28, the first hour: what a new user meets on a bare non-target host, read as they
-read it (the console script, a captured host with a small disk and no NPU, no docker)."""
+read it (a captured host with a small disk and no NPU, no docker). The commands run in this
+process where what they answer is the point; README command 1 runs the console script."""
 
 from __future__ import annotations
 
@@ -19,9 +20,12 @@ CHUNK_LINE = ("--chunked-prefill-size -1 (serve.extra_args): must be a positive 
 
 
 def cli(tmp_path: Path, *args: str, host: str | None = "x86-no-npu",
-        path: str | None = None, **more_env: str) -> subprocess.CompletedProcess[str]:
-    if not SCRIPT.exists():
-        pytest.skip(f"no console script at {SCRIPT} (install the project into this venv)")
+        path: str | None = None, script: bool = False,
+        **more_env: str) -> subprocess.CompletedProcess[str]:
+    """The command on a workspace in ``tmp_path``, its host the fixture ``host``, with only
+    this environment (no DSV4_* or ASCEND_* of the caller's). In this process (what the
+    command answers is the point: conftest.run_cli_inproc); ``script``: the console script as
+    a process, as README command 1 runs it."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DSV4_", "ASCEND_"))}
     env["COLUMNS"] = "240"
     if host is not None:
@@ -29,14 +33,22 @@ def cli(tmp_path: Path, *args: str, host: str | None = "x86-no-npu",
     if path is not None:
         env["PATH"] = path
     env.update(more_env)
-    return subprocess.run([str(SCRIPT), "--workspace", str(tmp_path / "ws"), *args],
-                          capture_output=True, text=True, env=env, timeout=180,
-                          stdin=subprocess.DEVNULL)
+    argv = ["--workspace", str(tmp_path / "ws"), *args]
+    if not script:
+        from conftest import run_cli_inproc
+
+        res = run_cli_inproc(*argv, env=env, whole_env=True)
+        return subprocess.CompletedProcess(argv, res.code, res.out, res.err)
+    if not SCRIPT.exists():
+        pytest.skip(f"no console script at {SCRIPT} (install the project into this venv)")
+    return subprocess.run([str(SCRIPT), *argv], capture_output=True, text=True, env=env,
+                          timeout=180, stdin=subprocess.DEVNULL)
 
 
 def test_readme_command_1_shows_doctors_table_with_every_failing_row(tmp_path: Path) -> None:
-    # x86-no-npu: an x86 host, no NPU, 80 GiB free (df.txt), no docker client
-    proc = cli(tmp_path, "run")
+    # x86-no-npu: an x86 host, no NPU, 80 GiB free (df.txt), no docker client; README
+    # command 1's console script, as a process
+    proc = cli(tmp_path, "run", script=True)
     assert proc.returncode == 1, proc
     out = proc.stdout
     table = out.index("┃check")
@@ -185,7 +197,8 @@ def test_read_only_commands_need_no_engine_and_no_npu(tmp_path: Path) -> None:
 
 def test_a_failing_row_stops_the_stages_it_guards_and_what_feeds_them(
         tmp_path: Path, fake_stages_env) -> None:
-    from conftest import SMALL_RECIPE, run_cli
+    from conftest import SMALL_RECIPE
+    from conftest import run_cli_inproc as run_cli
 
     ws = tmp_path / "ws"
     (ws / "behave").mkdir(parents=True)
