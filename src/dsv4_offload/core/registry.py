@@ -140,11 +140,17 @@ STAGES: tuple[StageSpec, ...] = (
         cpu=Cpu.YIELDS, disk_sets=(GGUF,), branch="weights", view=View.LAYERS,
     ),
     # where the built kt-kernel is: its fingerprint_inputs has the extension's files
-    StageSpec("verify-gguf", ("convert",), ("conversion", "selftest.real_layer"),
+    # level 4 runs a layer through kt-kernel as the self-test does: by its API and, for an
+    # aarch64 build on x86, under its emulator
+    StageSpec("verify-gguf", ("convert",),
+              ("conversion", "selftest.real_layer", "selftest.api", "selftest.emulator"),
               summary="sizes, digests, bit-exact, a layer through kt-kernel", branch="weights",
               # sources: where the delivery's digest manifest is checked out; its content is
-              # pinned by conversion.digests_manifest.sha256, a fingerprint input already
-              reads=("build.steps", "selftest.module_dir", "sources")),
+              # pinned by conversion.digests_manifest.sha256, a fingerprint input already;
+              # the built extension (under tree_root, by build.python) is judged by
+              # fingerprint_inputs (build/moerun.module_fingerprint)
+              reads=("build.python", "build.steps", "selftest.module_dir", "sources",
+                     "tree_root")),
     StageSpec(
         "serve",
         ("build", "verify-gguf"),
