@@ -142,7 +142,7 @@ def test_markers_the_command_prints_are_not_searched(ws: Path) -> None:
 
 
 def test_patch_audit_command_json_and_exit_codes(ws: Path) -> None:
-    from conftest import run_cli
+    from conftest import run_cli_inproc as run_cli  # the answer is the point
 
     ok = run_cli("--workspace", str(ws), "--json", "patch", "audit")
     assert ok.code == 0, ok

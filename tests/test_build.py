@@ -379,7 +379,7 @@ def test_pythonpath_is_the_sglang_and_kt_kernel_dirs(ws: Path) -> None:
 
 
 def test_build_command_json_and_exit_codes(ws: Path) -> None:
-    from conftest import run_cli
+    from conftest import run_cli_inproc as run_cli  # the answer is the point
 
     make_ctx(ws, [kt_step(), sglang_step(), ascendc_step()])  # writes the recipe file
     recipe = str(ws.parent / f"{ws.name}-recipe.yaml")

@@ -20,7 +20,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from conftest import CLI, run_cli
+from conftest import CLI
+from conftest import run_cli_inproc as run_cli  # the commands in process: not the process
 
 from dsv4_offload.core.errors import InputError
 from dsv4_offload.core.results import Status

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import run_cli
+from conftest import run_cli_inproc as run_cli  # the commands in process: not the process
 
 from dsv4_offload.build import layerforward, moecheck, moerun
 from dsv4_offload.core.results import Status

@@ -62,7 +62,8 @@ def test_no_client_is_still_an_install(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_accept_with_nothing_started_says_to_serve(tmp_path: Path) -> None:
-    from conftest import HOST_RECIPE, run_cli
+    from conftest import HOST_RECIPE
+    from conftest import run_cli_inproc as run_cli  # the answer is the point
     from serve_helpers import free_port
 
     ws = tmp_path / "ws"
@@ -75,7 +76,7 @@ def test_accept_with_nothing_started_says_to_serve(tmp_path: Path) -> None:
 
 
 def test_a_series_given_as_the_recipe_says_what_it_is(tmp_path: Path) -> None:
-    from conftest import run_cli
+    from conftest import run_cli_inproc as run_cli  # the answer is the point
 
     series = Path(__file__).parents[1] / "src/dsv4_offload/data/patches"
     path = sorted(series.glob("*.yaml"))[0]

@@ -10,7 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CLI, TESTS
+from conftest import TESTS, run_cli_inproc
 
 from dsv4_offload.core.registry import STAGE_NAMES
 from dsv4_offload.recipe import BUNDLED_RECIPES, load_recipe
@@ -70,8 +70,10 @@ def _no_docker_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def _cli(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=120,
-                          stdin=subprocess.DEVNULL)
+    """The command in this process with ``env`` its whole environment (what it answers is the
+    point: conftest.run_cli_inproc); the stages a `run` starts are processes."""
+    res = run_cli_inproc(*args, env=env, whole_env=True)
+    return subprocess.CompletedProcess(list(args), res.code, res.out, res.err)
 
 
 def test_x86_rehearsal_runs_to_selftest_without_docker(tmp_path: Path,

@@ -85,31 +85,32 @@ def test_serve_without_npu_or_cann_says_what_to_do(tmp_path):
 
 
 def test_detach_status_logs_accept_stop_lifecycle(tmp_path, no_leftovers):
-    # run_cli, not in process: the point is a detached server outliving the CLI process
-    # that started it, and `serve stop` from another process proving it ours
+    # start and stop by run_cli, as processes: the point is a detached server outliving the
+    # CLI process that started it, and `serve stop` from another process proving it ours;
+    # what the commands between answer is the point of those (in this process)
     ws, port, base, env = standin_on_host(tmp_path, no_leftovers, "--mode", "good")
     started = run_cli(*base, "serve", "--detach", env=env)
     assert started.code == 0, started
     assert f"http://127.0.0.1:{port}" in started.out
     try:
-        status = run_cli(*base, "--json", "serve", "status", env=env)
+        status = run_cli_inproc(*base, "--json", "serve", "status", env=env)
         assert status.code == 0, status
         assert status.json()["data"]["running"] and status.json()["data"]["healthy"]
-        logs = run_cli(*base, "serve", "logs", "-n", "200", env=env)
+        logs = run_cli_inproc(*base, "serve", "logs", "-n", "200", env=env)
         assert "KV Cache is allocated" in logs.out
-        accepted = run_cli(*base, "accept", env=env)
+        accepted = run_cli_inproc(*base, "accept", env=env)
         assert accepted.code == 0, accepted
         assert "probe capital-en" in accepted.out and "tok/s" in accepted.out
-        as_json = run_cli(*base, "--json", "accept", env=env)
+        as_json = run_cli_inproc(*base, "--json", "accept", env=env)
         assert as_json.code == 0 and as_json.json()["data"]["data"]["status"] == "ok"
-        state = run_cli(*base, "--json", "status", env=env)
+        state = run_cli_inproc(*base, "--json", "status", env=env)
         stages = {s["name"]: s for s in state.json()["data"]["stages"]}
         assert stages["serve"]["state"] == "done" and stages["accept"]["state"] == "done"
     finally:
         stopped = run_cli(*base, "serve", "stop", env=env)
     assert stopped.code == 0 and "stopped pid" in stopped.out
     assert not leftovers(no_leftovers)
-    after = run_cli(*base, "serve", "status", env=env)
+    after = run_cli_inproc(*base, "serve", "status", env=env)
     assert after.code == 1 and "not running (stopped" in after.out
 
 

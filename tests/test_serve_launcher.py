@@ -444,8 +444,8 @@ def test_api_key_reaches_sglang_only(tmp_path: Path, no_leftovers):
                             headers=api_key_headers(key_file)).status_code == 200
         record = sv.read_record(ws.serve_record)
         assert record is not None and API_KEY_PLACEHOLDER in record.argv
-        status = run_cli("--workspace", str(ws.root), *sets, "--json", "serve", "status",
-                         env=env)
+        status = run_cli_inproc("--workspace", str(ws.root), *sets, "--json", "serve",
+                                "status", env=env)
         assert status.code == 0 and status.json()["data"]["healthy"], status
         assert secret not in started.out + started.err
         for path in [*ws.meta_dir.rglob("*"), ws.provenance_file, *ws.root.glob("logs/**/*")]:

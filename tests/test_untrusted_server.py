@@ -14,7 +14,8 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from conftest import HOST_RECIPE, run_cli
+from conftest import HOST_RECIPE
+from conftest import run_cli_inproc as run_cli  # the commands in process: not the process
 
 from dsv4_offload.acceptance import transport
 from dsv4_offload.acceptance.probes import ServerClient, ServerUnreachable
