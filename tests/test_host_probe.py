@@ -38,6 +38,21 @@ def test_kunpeng_sysroot_facts(tmp_path: Path) -> None:
     assert facts.disk_free_bytes == 6048115736576  # from the captured df.txt
 
 
+def test_without_the_toolchain_no_version_is_asked_and_the_rest_is_the_same(
+        tmp_path: Path) -> None:
+    """Serve's plan, the bench and tune read the CPUs, memory and NPUs alone: their probe
+    asks no interpreter or tool its version (the sysroot's answer every one of them)."""
+    from dataclasses import replace
+
+    root, smi = HOSTS / "kunpeng920-910b", smi_of("kunpeng920-910b")
+    full = probe_host(tmp_path, root=root, npu_smi=smi)
+    bare = probe_host(tmp_path, root=root, npu_smi=smi, tools=["gcc-13"], pythons=["python3.10"],
+                      toolchain=False)
+    assert full.python_versions and full.tools  # the sysroot answers them
+    assert bare.python_versions == {} and bare.tools == {}
+    assert bare == replace(full, python_versions={}, tools={})
+
+
 def test_env_selects_the_sysroot_and_npu_smi(tmp_path: Path) -> None:
     root = HOSTS / "a3-host"
     env = {"DSV4_HOST_ROOT": str(root), "DSV4_NPU_SMI": f"cat '{root / 'npu-smi-info.txt'}'",

@@ -61,7 +61,7 @@ def tune(
                              tuple(knob), device, seed)
     from dsv4_offload.core.host import probe_host
 
-    facts = probe_host(base.workspace.root)
+    facts = probe_host(base.workspace.root, toolchain=False)  # serve's plan, each trial's
     base.host_facts = facts
 
     def context_for(items: list[str]) -> StageContext:

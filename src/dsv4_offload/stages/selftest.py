@@ -246,7 +246,7 @@ def _bench(ctx: StageContext, passed: StageResult, options: SelftestOptions) -> 
     dims = replace(recipe_dims(conv), layers=1)  # the real dims: 256 experts, 4096 x 2048
     with ctx.task("bench: the full-size synthetic layer"):
         _, gguf, layer = synthetic_layer(ctx, dims)
-    facts = ctx.host_facts or probe_host(ctx.workspace.root)
+    facts = ctx.host_facts or probe_host(ctx.workspace.root, toolchain=False)
     readers = bandwidth.plan_readers(facts, ctx.recipe.serve)
     pools, threads = len(readers), sum(r.threads for r in readers)
     with ctx.task(f"bench: {options.repeats} decode forwards, {pools} pool(s) x "

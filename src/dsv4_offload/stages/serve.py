@@ -52,7 +52,7 @@ def host_facts(ctx: StageContext) -> Any:
         return ctx.host_facts
     from dsv4_offload.core.host import probe_host
 
-    return probe_host(ctx.workspace.root)
+    return probe_host(ctx.workspace.root, toolchain=False)  # the plan reads no version
 
 
 def toolkit_example(cann: str) -> str:
