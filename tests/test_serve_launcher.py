@@ -371,6 +371,26 @@ def test_python_env_choice_first_candidate_that_imports_everything(tmp_path: Pat
     assert resolve_python(explicit=None, env=env)[0] is None
 
 
+def test_the_import_probe_names_a_missing_module_before_importing_any(tmp_path: Path):
+    """python_env.sh imports the modules in turn; the probe fails the same way on one that is
+    not installed, by the same last line, without importing those before it (numpy alone is
+    ~0.1 s a candidate), and imports them all, in order, where every one is there."""
+    from dsv4_offload.build.interpreter import missing_imports
+
+    log = tmp_path / "imported"
+    for name in ("first", "second"):
+        (tmp_path / f"{name}.py").write_text(
+            f"with open({str(log)!r}, 'a') as fh:\n    fh.write({name!r} + ' ')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    why = missing_imports(sys.executable, ["first", "no_such_module_here", "second"], env)
+    assert why == "ModuleNotFoundError: No module named 'no_such_module_here'"
+    assert not log.exists()  # nothing imported
+    assert missing_imports(sys.executable, ["second", "first"], env) is None
+    assert log.read_text() == "second first "
+    (tmp_path / "first.py").write_text("raise ImportError('a broken install')\n")
+    assert missing_imports(sys.executable, ["first"], env) == "ImportError: a broken install"
+
+
 def test_chosen_python_is_recorded_once_and_reused(tmp_path: Path, monkeypatch):
     bin_dir = fake_pythons(tmp_path)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")

@@ -38,8 +38,16 @@ PYTHON_BIN_ENV = "PYTHON_BIN"
 PROVENANCE_SECTION = "python"
 FALLBACK_SOURCE = "recipe"  # the recipe's python, taken for want of a qualifying one
 _PROBE_TIMEOUT_S = 120  # importing torch_npu initialises CANN: slow on a cold cache
-# python_env.sh L29-35 imports each module in turn; the same, as one -c program
-_IMPORT_PROGRAM = "import importlib, sys\nfor n in sys.argv[1:]:\n    importlib.import_module(n)"
+# python_env.sh L29-35 imports each module in turn; the same, as one -c program, which first
+# looks each one up without importing it: a candidate that lacks torch fails as the import
+# would ("No module named 'torch'") without importing numpy first (~0.1 s a candidate)
+_IMPORT_PROGRAM = (
+    "import importlib, importlib.util, sys\n"
+    "for n in sys.argv[1:]:\n"
+    "    if importlib.util.find_spec(n) is None:\n"
+    "        raise ModuleNotFoundError(f'No module named {n!r}', name=n)\n"
+    "for n in sys.argv[1:]:\n"
+    "    importlib.import_module(n)")
 
 
 @dataclass
