@@ -75,25 +75,9 @@ def main_options(
     version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
                                  help="Print the version."),
 ) -> None:
-    _set_runtime(runtime)
+    kit.set_runtime(runtime)
     ctx.obj = GlobalOptions(workspace=workspace, recipe=recipe, overrides=list(overrides),
                             json=json_out, verbose=verbose, quiet=quiet)
-
-
-def _set_runtime(value: str | None) -> None:
-    """``--runtime``: one spelling for this process, its environment's (DSV4_RUNTIME), which
-    workspace/placement.py reads."""
-    import os
-
-    from dsv4_offload.core.errors import InputError
-    from dsv4_offload.workspace.placement import RUNTIME_CHOICES, RUNTIME_ENV
-
-    if value is None:
-        return
-    if value not in RUNTIME_CHOICES:
-        raise InputError(f"--runtime {value!r} (or {RUNTIME_ENV}): use "
-                         f"{' or '.join(RUNTIME_CHOICES)}")
-    os.environ[RUNTIME_ENV] = value
 
 
 # --- entry point ---------------------------------------------------------------------------
@@ -205,7 +189,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         root = Workspace.from_option(_workspace_given(found)).root
         sys.exit(report_error(denied_error(exc, root), as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
-        sys.exit(_interrupted(as_json, command))
+        sys.exit(kit.interrupted(as_json, command))
     except usage_errors as exc:
         if as_json:  # --json was asked: the usage error is a document too
             sys.stdout.write(kit.usage_error_document(exc, command))
@@ -215,7 +199,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
         sys.exit(exc.exit_code)  # type: ignore[attr-defined]
     if rv == ExitCode.INTERRUPTED:
         # typer turns Ctrl-C into a plain exit code 130; still say what happened
-        sys.exit(_interrupted(as_json, command))
+        sys.exit(kit.interrupted(as_json, command))
     sys.exit(rv if isinstance(rv, int) else 0)
 
 
@@ -243,23 +227,3 @@ def _workspace_given(found: list[str]) -> str | None:
         if token in ("-w", "--workspace") and index + 1 < len(found):
             return found[index + 1]
     return None
-
-
-def _interrupted(as_json: bool = False, command: str = "") -> int:
-    """Say how we were interrupted (with --json, also as the command's one document); the
-    exit code a shell gives that signal (128 + its number)."""
-    import contextlib
-
-    from dsv4_offload.core.envelope import INTERRUPTED, Envelope
-    from dsv4_offload.core.runner import interrupt_name, received_signal
-
-    signum = received_signal()
-    code = int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
-    with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
-        if as_json:
-            doc = Envelope(command, INTERRUPTED, {"signal": interrupt_name(), "exit_code": code})
-            sys.stdout.write(doc.to_json())
-            sys.stdout.flush()
-        sys.stderr.write("interrupted\n" if signum is None
-                         else f"interrupted by {interrupt_name()}\n")
-    return code

@@ -1,6 +1,7 @@
 """What command modules share: global options, context loading, running a stage, output.
 
-Kept light at import time (typer only): recipe models, rich and stage modules load on use.
+Kept light at import time (not even typer: a stage process, cli/serial.py, reads its command
+line without it): recipe models, rich and stage modules load on use.
 """
 
 from __future__ import annotations
@@ -10,12 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NoReturn
 
-import typer
-
 from dsv4_offload.core.envelope import Envelope
 from dsv4_offload.core.errors import Dsv4Error, ExitCode
 
 if TYPE_CHECKING:
+    import typer
+
     from dsv4_offload.core.options import StageOptions
     from dsv4_offload.core.results import StageResult, Status
     from dsv4_offload.workspace.context import StageContext
@@ -44,11 +45,16 @@ def load_context(typer_ctx: typer.Context, stage: str = "",
                  options: StageOptions | Mapping[str, Any] | None = None) -> StageContext:
     """Recipe, series and workspace from the global options, as a StageContext with the
     command's options (the stage's typed ones; `run`'s RunOptions)."""
+    return open_context(options_of(typer_ctx), stage, options)
+
+
+def open_context(g: GlobalOptions, stage: str = "",
+                 options: StageOptions | Mapping[str, Any] | None = None) -> StageContext:
+    """:func:`load_context` from the global options themselves."""
     from dsv4_offload.serving.extra_args import recipe_check
     from dsv4_offload.workspace.context import StageContext
     from dsv4_offload.workspace.store import Workspace
 
-    g = options_of(typer_ctx)
     Workspace.from_option(g.workspace).check_readable()
     ctx = StageContext.open(g.recipe, g.overrides, g.workspace, options=options,
                             progress=make_progress(g), stage=stage, verbose=g.verbose)
@@ -76,6 +82,8 @@ def make_progress(g: GlobalOptions) -> Any:
 
 
 def exit_with(code: int) -> NoReturn:
+    import typer
+
     raise typer.Exit(int(code))
 
 
@@ -89,8 +97,7 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
     g = options_of(typer_ctx)
     status_text = getattr(status, "value", status)
     if g.json:
-        sys.stdout.write(Envelope(command, status_text, data).to_json())
-        sys.stdout.flush()
+        write_document(command, status_text, data)
         return
     from dsv4_offload.cli.render import console
 
@@ -106,13 +113,23 @@ def emit(typer_ctx: typer.Context, *, command: str, status: Status | str, data: 
         out.print(escape(line), soft_wrap=True)  # plain text: '[x]' is data, not markup
 
 
-def emit_result(typer_ctx: typer.Context, command: str, result: StageResult) -> None:
-    from dsv4_offload.cli.render import render_result
+def write_document(command: str, status: str, data: Any) -> None:
+    """The --json document of one result, on stdout."""
+    sys.stdout.write(Envelope(command, status, data).to_json())
+    sys.stdout.flush()
 
-    g = options_of(typer_ctx)
+
+def emit_result(typer_ctx: typer.Context, command: str, result: StageResult) -> None:
+    show_result(options_of(typer_ctx), command, result)
+
+
+def show_result(g: GlobalOptions, command: str, result: StageResult) -> None:
+    """One stage's result: its --json document, else its rich rendering."""
     if g.json:
-        emit(typer_ctx, command=command, status=result.status, data=result.as_dict())
+        write_document(command, result.status.value, result.as_dict())
     else:
+        from dsv4_offload.cli.render import render_result
+
         render_result(command, result, verbose=g.verbose, quiet=g.quiet)
 
 
@@ -145,3 +162,39 @@ def report_error(exc: Dsv4Error, as_json: bool, command: str) -> int:
         sys.stdout.write(Envelope.error(command, exc.one_line(), exc.exit_code).to_json())
     sys.stderr.write(f"error: {exc.one_line()}\n")
     return int(exc.exit_code)
+
+
+def set_runtime(value: str | None) -> None:
+    """``--runtime``: one spelling for this process, its environment's (DSV4_RUNTIME), which
+    workspace/placement.py reads."""
+    import os
+
+    from dsv4_offload.core.errors import InputError
+    from dsv4_offload.workspace.placement import RUNTIME_CHOICES, RUNTIME_ENV
+
+    if value is None:
+        return
+    if value not in RUNTIME_CHOICES:
+        raise InputError(f"--runtime {value!r} (or {RUNTIME_ENV}): use "
+                         f"{' or '.join(RUNTIME_CHOICES)}")
+    os.environ[RUNTIME_ENV] = value
+
+
+def interrupted(as_json: bool = False, command: str = "") -> int:
+    """Say how we were interrupted (with --json, also as the command's one document); the
+    exit code a shell gives that signal (128 + its number)."""
+    import contextlib
+
+    from dsv4_offload.core.envelope import INTERRUPTED, Envelope
+    from dsv4_offload.core.runner import interrupt_name, received_signal
+
+    signum = received_signal()
+    code = int(ExitCode.INTERRUPTED) if signum is None else 128 + signum
+    with contextlib.suppress(OSError):  # after SIGHUP the terminal may be gone
+        if as_json:
+            doc = Envelope(command, INTERRUPTED, {"signal": interrupt_name(), "exit_code": code})
+            sys.stdout.write(doc.to_json())
+            sys.stdout.flush()
+        sys.stderr.write("interrupted\n" if signum is None
+                         else f"interrupted by {interrupt_name()}\n")
+    return code

@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import typer
 
 from dsv4_offload.cli import complete
-from dsv4_offload.cli.kit import emit, emit_result, exit_with, load_context, options_of, run_stage
+from dsv4_offload.cli.kit import emit, exit_with, load_context, options_of, run_stage
 from dsv4_offload.core.errors import ExitCode
 
 
@@ -59,8 +59,19 @@ def run(
 
         return shown()
 
-    pctx = load_context(ctx, "", RunOptions(mirrors=tuple(mirror), device=device))
     g = options_of(ctx)
+    if serial and not dry_run:
+        from dsv4_offload.cli.serial import run_serial
+
+        def announce(stage: str, action: str) -> None:
+            if not g.json and not g.quiet:
+                verb = {"skip": "skip (done)", "n/a": "not applicable to this recipe"}.get(
+                    action, "run")
+                console().print(f"[bold]{stage}[/bold]: {verb}")
+
+        exit_with(run_serial(g, start, stop, tuple(force), mirrors=tuple(mirror), device=device,
+                             on_stage=announce, on_stopped=lambda line: console().print(line)))
+    pctx = load_context(ctx, "", RunOptions(mirrors=tuple(mirror), device=device))
     if not serial:
         _run_pipelined(ctx, pctx, start, stop, tuple(force), dry_run)
     if dry_run:
@@ -83,26 +94,6 @@ def run(
                 if i.steps:
                     console().print(f"{'':12}       steps: {escape(', '.join(i.steps))}")
         exit_with(ExitCode.OK)
-
-    def announce(stage: str, action: str) -> None:
-        if not g.json and not g.quiet:
-            verb = {"skip": "skip (done)", "n/a": "not applicable to this recipe"}.get(
-                action, "run")
-            console().print(f"[bold]{stage}[/bold]: {verb}")
-
-    with pctx.workspace.lock("run"):
-        outcome = pipeline.run_pipeline(pctx, start, stop, tuple(force), on_stage=announce)
-    if g.json:
-        emit(ctx, command="run", status="ok" if outcome.exit_code == 0 else "failed", data={
-            "skipped": outcome.skipped, "stopped_at": outcome.stopped_at,
-            "stages": {name: r.as_dict() for name, r in outcome.results},
-        })
-    else:
-        for name, result in outcome.results:
-            emit_result(ctx, name, result)
-        if outcome.stopped_at:
-            console().print(f"run stopped at {outcome.stopped_at}; fix it and rerun `run`")
-    exit_with(outcome.exit_code)
 
 
 def _run_pipelined(ctx: typer.Context, pctx: Any, start: str | None, stop: str | None,
