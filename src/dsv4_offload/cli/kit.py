@@ -185,7 +185,7 @@ def interrupted(as_json: bool = False, command: str = "") -> int:
     exit code a shell gives that signal (128 + its number)."""
     import contextlib
 
-    from dsv4_offload.core.envelope import INTERRUPTED, Envelope
+    from dsv4_offload.core.envelope import INTERRUPTED
     from dsv4_offload.core.runner import interrupt_name, received_signal
 
     signum = received_signal()

@@ -30,8 +30,6 @@ from dsv4_offload.cli.kit import (
 from dsv4_offload.core.errors import Dsv4Error
 
 COMMAND = "run"
-WORKSPACE_ENV = "DSV4_WORKSPACE"  # --workspace's variable (cli/app.py main_options)
-RUNTIME_ENV = "DSV4_RUNTIME"  # --runtime's (the same); workspace/placement reads it
 
 
 def run_serial(g: GlobalOptions, start: str | None, stop: str | None, force: tuple[str, ...],
@@ -71,8 +69,9 @@ class StageCall:
 
 def stage_call(args: Sequence[str]) -> StageCall | None:
     """The stage process's command line (the module docstring's) read; None for any other,
-    which the typer application reads (and refuses where it must)."""
-    g = GlobalOptions(workspace=os.environ.get(WORKSPACE_ENV) or None)
+    which the typer application reads (and refuses where it must). Read for every command:
+    nothing is imported before the line is known to be a stage's."""
+    g = GlobalOptions()
     words = list(args)
     try:
         run_at = words.index(COMMAND)
@@ -109,6 +108,10 @@ def stage_call(args: Sequence[str]) -> StageCall | None:
     device = flags.get("--device")
     if device is not None and not device.isdigit():
         return None  # typer says what is wrong with it
+    if g.workspace is None:  # --workspace's variable, as typer's option reads it (cli/app.py)
+        from dsv4_offload.workspace.store import WORKSPACE_ENV
+
+        g.workspace = os.environ.get(WORKSPACE_ENV) or None
     return StageCall(g, stage, int(device) if device is not None else None)
 
 
@@ -116,6 +119,7 @@ def stage_main(call: StageCall) -> NoReturn:
     """Run ``call`` as the typer application runs `run --serial` (cli/app.main): an expected
     failure is its --json document and one line, an interruption the signal's exit code."""
     from dsv4_offload.core.runner import signals_as_interrupt
+    from dsv4_offload.workspace.placement import RUNTIME_ENV  # --runtime's variable
 
     g = call.options
     try:
