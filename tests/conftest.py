@@ -65,12 +65,14 @@ def run_cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = No
 
 def run_cli_inproc(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
                    timeout: float = 120, whole_env: bool = False) -> CliResult:
-    """Run the CLI's entry point (`dsv4_offload.cli.main`) in this process, as `run_cli` would
-    run the console script: ``env`` applied to os.environ (with ``whole_env``, os.environ is
-    ``env`` alone, as in a process started with that environment), ``cwd`` entered, stdin
-    empty, the output of file descriptors 1 and 2 captured (children the command starts write
-    there too) and all of it restored afterwards; SystemExit gives the exit code, an escaped
-    exception a traceback on stderr and code 1, as a process would.
+    """Run the typer application's entry point (`dsv4_offload.cli.app.main`; the console
+    script's reads a stage process's line without it first: cli/serial.py, whose tests run it
+    as a process) in this process, as `run_cli` would run the console script: ``env`` applied
+    to os.environ (with ``whole_env``, os.environ is ``env`` alone, as in a process started
+    with that environment), ``cwd`` entered, stdin empty, the output of file descriptors 1
+    and 2 captured (children the command starts write there too) and all of it restored
+    afterwards; SystemExit gives the exit code, an escaped exception a traceback on stderr and
+    code 1, as a process would.
 
     Not covered: anything that is the process's own (signals sent to it, its lifetime, detach,
     what another process sees of it, the console script's start-up) and ``timeout``; `run_cli`
