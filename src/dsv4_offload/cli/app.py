@@ -182,12 +182,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     except Dsv4Error as exc:
         sys.exit(report_error(exc, as_json, command))
     except (PermissionError, NotADirectoryError) as exc:
-        # a path of a workspace this user may not read, met where no check said so first:
-        # still the one line (and the --json document), never a traceback
-        from dsv4_offload.workspace.store import Workspace, denied_error
-
-        root = Workspace.from_option(_workspace_given(found)).root
-        sys.exit(report_error(denied_error(exc, root), as_json, command))
+        sys.exit(kit.report_denied(exc, _workspace_given(found), as_json, command))
     except (*aborts, KeyboardInterrupt):  # type: ignore[misc]  # mypy can't type a starred tuple
         sys.exit(kit.interrupted(as_json, command))
     except usage_errors as exc:

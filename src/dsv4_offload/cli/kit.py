@@ -164,6 +164,15 @@ def report_error(exc: Dsv4Error, as_json: bool, command: str) -> int:
     return int(exc.exit_code)
 
 
+def report_denied(exc: OSError, workspace: str | None, as_json: bool, command: str) -> int:
+    """A path of the workspace (``--workspace``'s value) this user may not read, met where no
+    check said so first: still the one line (and the --json document), never a traceback."""
+    from dsv4_offload.workspace.store import Workspace, denied_error
+
+    return report_error(denied_error(exc, Workspace.from_option(workspace).root), as_json,
+                        command)
+
+
 def set_runtime(value: str | None) -> None:
     """``--runtime``: one spelling for this process, its environment's (DSV4_RUNTIME), which
     workspace/placement.py reads."""

@@ -22,6 +22,7 @@ from dsv4_offload.cli.kit import (
     GlobalOptions,
     interrupted,
     open_context,
+    report_denied,
     report_error,
     set_runtime,
     show_result,
@@ -129,10 +130,7 @@ def stage_main(call: StageCall) -> NoReturn:
     except Dsv4Error as exc:
         sys.exit(report_error(exc, g.json, COMMAND))
     except (PermissionError, NotADirectoryError) as exc:
-        from dsv4_offload.workspace.store import Workspace, denied_error
-
-        root = Workspace.from_option(g.workspace).root
-        sys.exit(report_error(denied_error(exc, root), g.json, COMMAND))
+        sys.exit(report_denied(exc, g.workspace, g.json, COMMAND))
     except KeyboardInterrupt:
         sys.exit(interrupted(g.json, COMMAND))
     sys.exit(code)

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from dsv4_offload.recipe import Recipe
 
 
-
 @dataclass(frozen=True)
 class Knob:
     """One knob: its name on the command line, the recipe key it sets, what `tune` tries,
