@@ -186,3 +186,34 @@ def test_without_setpriv_the_parent_death_signal_is_set_in_the_child(
     assert out.stdout.strip() == "True"  # its own group, as ever
     with pytest.raises(FileNotFoundError):
         capture(["no-such-tool-here"], timeout=30)  # Popen's own error
+
+
+def test_the_next_runs_sweep_takes_a_run_directory_that_goes_meanwhile(tmp_path: Path) -> None:
+    """Each stage process removes the run directory when it leaves it empty, so another one
+    sweeping (every stage does, before it starts) may see it go between pathlib's look and its
+    listing: that is no leftover, not a FileNotFoundError that fails the stage (a CI run's
+    verify-gguf did). The directory is made and removed here as fast as a thread can; the
+    sweep and the leftover count read it meanwhile (the old listing failed ~1 in 1,000)."""
+    import contextlib
+    import threading
+
+    from dsv4_offload.pipeline.groups import leftover_processes, sweep_leftovers
+    from dsv4_offload.workspace.store import Workspace
+
+    ws = Workspace(tmp_path / "ws")
+    done = threading.Event()
+
+    def churn() -> None:
+        while not done.is_set():
+            ws.run_dir.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # a sweep's rmdir got there first
+                ws.run_dir.rmdir()
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    try:
+        for _ in range(10_000):
+            assert sweep_leftovers(ws) == [] and leftover_processes(ws) == []
+    finally:
+        done.set()
+        thread.join()

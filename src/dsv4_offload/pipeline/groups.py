@@ -46,10 +46,20 @@ def groups_noted(ws: Any, name: str, owner: procs.Identity) -> Iterator[None]:
             notes.path.parent.rmdir()  # only when empty: nothing of ours is left
 
 
+def _noted(ws: Any, name: str = "*") -> list[Any]:
+    """The stages' group notes in the run directory. Each stage process removes that
+    directory when it leaves it empty (here and in GroupNotes.begin's retry), so it may go
+    between glob's look and its listing (a FileNotFoundError from pathlib): gone is none."""
+    try:
+        return sorted(ws.run_dir.glob(f"groups-{name}"))
+    except FileNotFoundError:
+        return []
+
+
 def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
     """Processes still running from stages whose run was killed outright."""
     found: list[int] = []
-    for path in sorted(ws.run_dir.glob(f"groups-{name or '*'}")):
+    for path in _noted(ws, name or "*"):
         found += procs.GroupNotes(path).leftovers()
     return found
 
@@ -57,7 +67,7 @@ def leftover_processes(ws: Any, name: str | None = None) -> list[int]:
 def sweep_leftovers(ws: Any) -> list[int]:
     """Stop what is left of stages whose run was killed outright (TERM, then KILL)."""
     stopped: list[int] = []
-    for path in sorted(ws.run_dir.glob("groups-*")):
+    for path in _noted(ws):
         stopped += procs.GroupNotes(path).sweep(KILL_GRACE_S)
     with contextlib.suppress(OSError):
         ws.run_dir.rmdir()  # only when empty
